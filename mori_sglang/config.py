@@ -1,0 +1,235 @@
+"""Typed configuration of one dispatch/combine op, built from arguments or from the environment."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from mori_sglang import env
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the knob and the accepted values."""
+
+
+class DispatchDtype(str, enum.Enum):
+    """Payload of a dispatched token. The quantized ones travel with an opaque per-token scale row."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"  # e4m3, one f32 scale per 128 elements
+    MXFP8 = "mxfp8"  # e4m3, one e8m0 byte per 32 elements
+    MXFP4 = "fp4"  # e2m1 packed two per byte (low nibble first), one e8m0 byte per 32 elements
+
+
+class CombineDtype(str, enum.Enum):
+    """Payload of an expert output travelling back to its source rank."""
+
+    BF16 = "bf16"
+    FP8_BLOCKWISE = "fp8_blockwise"  # ours: scale = amax / fp8_max for every block
+    FP8_BLOCKWISE_NATIVE = "fp8_blockwise_native"  # native MoRI's scales (1.0 unless amax > fp8_max)
+    FP8_DIRECT_CAST = "fp8_direct_cast"  # saturating cast, no scale
+    FP4_BLOCKWISE = "fp4_blockwise"  # native MoRI on gfx950 only
+
+
+class Mode(str, enum.Enum):
+    """How dispatch and combine are driven."""
+
+    INTRANODE = "intranode"  # one call each, variable-size exchange
+    LOW_LATENCY = "low_latency"  # fixed per-source slots, *_send / *_recv split
+    SPLIT = "split"  # intranode dispatch + low-latency combine
+
+
+class Provider(str, enum.Enum):
+    AUTO = "auto"
+    MORI = "mori"
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+COMBINE_ENV_VALUES = {
+    "bf16": CombineDtype.BF16,
+    "fp8": CombineDtype.FP8_BLOCKWISE,
+    "fp8_direct_cast": CombineDtype.FP8_DIRECT_CAST,
+    "fp4": CombineDtype.FP4_BLOCKWISE,
+}
+DISPATCH_ENV_VALUES = {
+    "bf16": DispatchDtype.BF16,
+    "fp8": DispatchDtype.FP8,
+    "mxfp8": DispatchDtype.MXFP8,
+    "fp4": DispatchDtype.MXFP4,
+}
+FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
+DEFAULT_COMBINE_BLOCK = 128
+
+
+def _enum_value(enum_cls: type[enum.Enum], value: object, knob: str) -> enum.Enum:
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(value)
+    except ValueError:
+        accepted = ", ".join(m.value for m in enum_cls)
+        raise ConfigError(f"{knob}={value!r} is not accepted; use one of: {accepted}") from None
+
+
+@dataclass(frozen=True)
+class EpConfig:
+    """Everything that sizes the buffers and fixes the wire formats of one op.
+
+    ``scale_bytes`` is the opaque per-token scale row the sender attaches to each dispatched token;
+    None means the natural row of ``dispatch_dtype`` (224 B at hidden 7168 for fp8 / mxfp8 / fp4,
+    none for bf16). ``combine_block`` is the blockwise-fp8 combine block in elements.
+    """
+
+    world_size: int
+    rank: int
+    hidden: int
+    num_experts: int
+    topk: int
+    max_tokens_per_rank: int = 4096
+    dispatch_dtype: DispatchDtype = DispatchDtype.BF16
+    combine_dtype: CombineDtype = CombineDtype.BF16
+    mode: Mode = Mode.INTRANODE
+    provider: Provider = Provider.AUTO
+    scale_bytes: int | None = None
+    fp8_dtype: torch.dtype | None = None
+    combine_block: int = DEFAULT_COMBINE_BLOCK
+
+    def __post_init__(self) -> None:
+        for knob, enum_cls in (
+            ("dispatch_dtype", DispatchDtype),
+            ("combine_dtype", CombineDtype),
+            ("mode", Mode),
+            ("provider", Provider),
+        ):
+            object.__setattr__(self, knob, _enum_value(enum_cls, getattr(self, knob), knob))
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world_size={self.world_size} must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        if self.num_experts < 1 or self.num_experts % self.world_size:
+            raise ConfigError(
+                f"num_experts={self.num_experts} must be a positive multiple of world_size={self.world_size}"
+            )
+        if not 1 <= self.topk <= self.num_experts:
+            raise ConfigError(f"topk={self.topk} must be in [1, num_experts={self.num_experts}]")
+        if self.max_tokens_per_rank < 1:
+            raise ConfigError(f"max_tokens_per_rank={self.max_tokens_per_rank} must be >= 1")
+        if self.hidden < 1:
+            raise ConfigError(f"hidden={self.hidden} must be >= 1")
+        if self.fp8_dtype is not None and self.fp8_dtype not in FP8_TYPES.values():
+            raise ConfigError(f"fp8_dtype={self.fp8_dtype} is not accepted; use torch.float8_e4m3fn or e4m3fnuz")
+        if self.combine_block < 1:
+            raise ConfigError(f"combine_block={self.combine_block} must be >= 1")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def max_recv_tokens(self) -> int:
+        """Receive capacity: every source may send every one of its tokens here."""
+        return self.world_size * self.max_tokens_per_rank
+
+    @property
+    def dispatch_mode(self) -> Mode:
+        return Mode.LOW_LATENCY if self.mode is Mode.LOW_LATENCY else Mode.INTRANODE
+
+    @property
+    def combine_mode(self) -> Mode:
+        return Mode.INTRANODE if self.mode is Mode.INTRANODE else Mode.LOW_LATENCY
+
+    def with_rank(self, rank: int) -> EpConfig:
+        return replace(self, rank=rank)
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        world_size: int,
+        rank: int,
+        hidden: int,
+        num_experts: int,
+        topk: int,
+        weight_dtype: torch.dtype | None = None,
+        low_latency: bool = False,
+        environ: Mapping[str, str] | None = None,
+        **overrides: object,
+    ) -> EpConfig:
+        """The config SGLang's MoRI backend would build from ``SGLANG_MORI_*`` and the weight dtype.
+
+        ``low_latency`` is SGLang's ``--deepep-mode low_latency``; ``SGLANG_MORI_SPLIT_DISPATCH_COMBINE``
+        turns a normal-mode op into the split mode.
+        """
+        dispatch_dtype, combine_dtype = dtypes_from_env(weight_dtype, environ)
+        if low_latency:
+            mode = Mode.LOW_LATENCY
+        elif env.get_bool("SGLANG_MORI_SPLIT_DISPATCH_COMBINE", environ):
+            mode = Mode.SPLIT
+        else:
+            mode = Mode.INTRANODE
+        fp8_name = env.get_choice("SGLANG_MORI_FP8_TYPE", environ)
+        scale_dim = env.get_int("MORI_FP8_COMBINE_SCALE_DIM", environ)
+        values: dict[str, object] = {
+            "world_size": world_size,
+            "rank": rank,
+            "hidden": hidden,
+            "num_experts": num_experts,
+            "topk": topk,
+            "max_tokens_per_rank": env.get_int("SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK", environ),
+            "dispatch_dtype": dispatch_dtype,
+            "combine_dtype": combine_dtype,
+            "mode": mode,
+            "provider": Provider(env.get_choice("SGLANG_MORI_BACKEND", environ)),
+            "fp8_dtype": None if fp8_name == "auto" else FP8_TYPES[fp8_name],
+            "combine_block": combine_block_from_scale_dim(hidden, scale_dim),
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def combine_block_from_scale_dim(hidden: int, scale_dim: int | None) -> int:
+    """Native MoRI's rule: ``MORI_FP8_COMBINE_SCALE_DIM`` scales per token, block = ceil(hidden / dim)."""
+    if scale_dim is None:
+        return DEFAULT_COMBINE_BLOCK
+    return math.ceil(hidden / scale_dim)
+
+
+def dtypes_from_env(
+    weight_dtype: torch.dtype | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[DispatchDtype, CombineDtype]:
+    """Dispatch and combine dtypes with SGLang's rules: the weight dtype picks, the env overrides.
+
+    fp4 weights -> fp4 dispatch + fp8 combine; fp8 weights -> fp8 dispatch + bf16 combine; else bf16.
+    The deprecated booleans count only where the new variable is unset.
+    """
+    dispatch = DispatchDtype.BF16
+    combine = CombineDtype.BF16
+    if weight_dtype == torch.float4_e2m1fn_x2:
+        dispatch, combine = DispatchDtype.MXFP4, CombineDtype.FP8_BLOCKWISE
+    elif weight_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        dispatch = DispatchDtype.FP8
+
+    if env.is_set("SGLANG_MORI_DISPATCH_DTYPE", environ):
+        choice = env.get_choice("SGLANG_MORI_DISPATCH_DTYPE", environ)
+        if choice != "auto":
+            dispatch = DISPATCH_ENV_VALUES[choice]
+    elif env.get_bool("SGLANG_MORI_FP4_DISP", environ):
+        dispatch = DispatchDtype.MXFP4
+    elif env.get_bool("SGLANG_MORI_FP8_DISP", environ):
+        dispatch = DispatchDtype.FP8
+
+    if env.is_set("SGLANG_MORI_COMBINE_DTYPE", environ):
+        choice = env.get_choice("SGLANG_MORI_COMBINE_DTYPE", environ)
+        if choice != "auto":
+            combine = COMBINE_ENV_VALUES[choice]
+    elif env.get_bool("SGLANG_MORI_FP8_COMB", environ):
+        combine = CombineDtype.FP8_BLOCKWISE
+    return dispatch, combine

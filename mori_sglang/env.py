@@ -1,0 +1,188 @@
+"""Every environment variable mori-sglang reads, in one table.
+
+Users already configure SGLang's in-tree MoRI backend with ``SGLANG_MORI_*`` variables; we honour
+the same names with the same meaning, but an unknown value is an error that names the variable and
+the accepted values (upstream silently ignores it). ``README.md`` carries a table generated from
+``ENV_VARS`` (``python -m mori_sglang.env --markdown``); a test keeps the two in sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+BOOL_TRUE = ("1", "true", "yes", "on")
+BOOL_FALSE = ("0", "false", "no", "off", "")
+
+
+class EnvError(ValueError):
+    """A variable holds a value we do not accept; the message names the knob and the choices."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable: its name, accepted values (None = any integer), default and meaning."""
+
+    name: str
+    default: str
+    help: str
+    choices: tuple[str, ...] | None = None
+    kind: str = "choice"  # choice | bool | int
+
+    def accepted(self) -> str:
+        if self.kind == "bool":
+            return "0/1 (true/false)"
+        if self.kind == "int":
+            return "integer > 0"
+        return " \\| ".join(self.choices or ())
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        "SGLANG_MORI_DISPATCH_DTYPE",
+        "auto",
+        "Dispatch payload. auto follows the MoE weight dtype (fp8 weights -> fp8, fp4 weights -> fp4); "
+        "fp4 is MXFP4 (e2m1 + e8m0 per 32).",
+        ("auto", "bf16", "fp8", "mxfp8", "fp4"),
+    ),
+    EnvVar(
+        "SGLANG_MORI_COMBINE_DTYPE",
+        "auto",
+        "Combine payload. fp8 is blockwise FP8 (one f32 scale per block); fp8_direct_cast is a plain "
+        "saturating cast; fp4 is blockwise FP4 (native MoRI on gfx950 only). auto: fp8 for fp4 weights, "
+        "else bf16.",
+        ("auto", "bf16", "fp8", "fp8_direct_cast", "fp4"),
+    ),
+    EnvVar(
+        "SGLANG_MORI_FP8_DISP",
+        "0",
+        "Deprecated: fp8 dispatch. Read only when SGLANG_MORI_DISPATCH_DTYPE is unset.",
+        kind="bool",
+    ),
+    EnvVar(
+        "SGLANG_MORI_FP4_DISP",
+        "0",
+        "Deprecated: fp4 dispatch. Read only when SGLANG_MORI_DISPATCH_DTYPE is unset.",
+        kind="bool",
+    ),
+    EnvVar(
+        "SGLANG_MORI_FP8_COMB",
+        "0",
+        "Deprecated: blockwise fp8 combine. Read only when SGLANG_MORI_COMBINE_DTYPE is unset.",
+        kind="bool",
+    ),
+    EnvVar(
+        "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
+        "4096",
+        "Buffer capacity: the most tokens one rank may dispatch in one call. A larger batch is an error.",
+        kind="int",
+    ),
+    EnvVar(
+        "SGLANG_MORI_SPLIT_DISPATCH_COMBINE",
+        "0",
+        "1 = intranode dispatch with low-latency (async) combine.",
+        kind="bool",
+    ),
+    EnvVar(
+        "SGLANG_MORI_BACKEND",
+        "auto",
+        "Provider: mori (native MoRI library), triton (our kernels over symmetric memory), torch "
+        "(torch.distributed all_to_all). auto: mori where importable, else triton on GPU, else torch.",
+        ("auto", "mori", "triton", "torch"),
+    ),
+    EnvVar(
+        "SGLANG_MORI_FP8_TYPE",
+        "auto",
+        "FP8 flavour on the wire. auto: e4m3fnuz on gfx942, e4m3fn elsewhere.",
+        ("auto", "e4m3fn", "e4m3fnuz"),
+    ),
+    EnvVar(
+        "MORI_ENABLE_SDMA",
+        "0",
+        "Native MoRI only: copy intranode payloads with the SDMA engines.",
+        kind="bool",
+    ),
+    EnvVar(
+        "MORI_FP8_COMBINE_SCALE_DIM",
+        "",
+        "Scales per token for blockwise fp8 combine; the block is ceil(hidden / value). Unset: blocks of "
+        "128 elements.",
+        kind="int",
+    ),
+)
+
+ENV_BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
+
+
+def _raw(name: str, environ: Mapping[str, str] | None) -> str | None:
+    env = os.environ if environ is None else environ
+    value = env.get(name)
+    return None if value is None else value.strip()
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    return _raw(name, environ) is not None
+
+
+def get_choice(name: str, environ: Mapping[str, str] | None = None) -> str:
+    var = ENV_BY_NAME[name]
+    value = _raw(name, environ)
+    if value is None or value == "":
+        return var.default
+    value = value.lower()
+    if value not in (var.choices or ()):
+        raise EnvError(f"{name}={value!r} is not accepted; use one of: {', '.join(var.choices or ())}")
+    return value
+
+
+def get_bool(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    var = ENV_BY_NAME[name]
+    value = _raw(name, environ)
+    value = var.default if value is None else value.lower()
+    if value in BOOL_TRUE:
+        return True
+    if value in BOOL_FALSE:
+        return False
+    raise EnvError(f"{name}={value!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
+
+
+def get_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
+    """The integer value, or None where the variable is unset and has no default."""
+    var = ENV_BY_NAME[name]
+    value = _raw(name, environ)
+    value = var.default if value is None or value == "" else value
+    if value == "":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise EnvError(f"{name}={value!r} is not an integer; use a positive integer") from None
+    if number <= 0:
+        raise EnvError(f"{name}={number} must be a positive integer")
+    return number
+
+
+def markdown_table() -> str:
+    """The README table of every variable."""
+    lines = ["| variable | default | accepted | meaning |", "| --- | --- | --- | --- |"]
+    for var in ENV_VARS:
+        default = var.default if var.default != "" else "(unset)"
+        lines.append(f"| `{var.name}` | `{default}` | {var.accepted()} | {var.help} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown_table())
+    else:
+        for var in ENV_VARS:
+            print(f"{var.name}={os.environ.get(var.name, var.default)}")
+
+
+if __name__ == "__main__":
+    main()

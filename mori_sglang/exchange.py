@@ -1,0 +1,155 @@
+"""Byte exchanges between ranks: torch.distributed all_to_all_single, or an in-process loopback world.
+
+The torch provider moves packed uint8 wire rows through one of these. Every exchange is split into
+post (at send time) and wait (at receive time), so a loopback world can drive all ranks' sends, then
+all ranks' receives, from one thread, and a distributed group overlaps the transfer with compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class ExchangeError(RuntimeError):
+    """A receive was asked for before every rank posted its send."""
+
+
+class Pending(Protocol):
+    def wait(self) -> tuple[torch.Tensor, list[int] | None]: ...
+
+
+@dataclass
+class _Done:
+    result: Callable[[], tuple[torch.Tensor, list[int] | None]]
+
+    def wait(self) -> tuple[torch.Tensor, list[int] | None]:
+        return self.result()
+
+
+class Exchange(Protocol):
+    rank: int
+    world_size: int
+
+    def variable(self, rows: torch.Tensor, send_counts: list[int]) -> Pending:
+        """Rows grouped by destination; wait() gives received rows grouped by source and their counts."""
+
+    def fixed(self, chunks: torch.Tensor) -> Pending:
+        """``[W, ...]``: chunk d goes to rank d; wait() gives ``[W, ...]`` with chunk s from rank s."""
+
+
+class DistExchange:
+    """all_to_all_single over a ProcessGroup (gloo, NCCL, RCCL; across nodes)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def _counts_device(self, rows: torch.Tensor) -> torch.device:
+        backend = dist.get_backend(self.group)
+        return torch.device("cpu") if backend == "gloo" else rows.device
+
+    def variable(self, rows: torch.Tensor, send_counts: list[int]) -> Pending:
+        device = self._counts_device(rows)
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=device)
+        recv_counts_t = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts_t, counts, group=self.group)
+        recv_counts = recv_counts_t.tolist()
+        out = torch.empty((sum(recv_counts), *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        work = dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group, async_op=True)
+
+        def finish() -> tuple[torch.Tensor, list[int] | None]:
+            work.wait()
+            return out, recv_counts
+
+        return _Done(finish)
+
+    def fixed(self, chunks: torch.Tensor) -> Pending:
+        send = chunks
+        if dist.get_backend(self.group) == "gloo" and chunks.is_cuda:
+            send = chunks.cpu()
+        out = torch.empty_like(send)
+        work = dist.all_to_all_single(out, send.contiguous(), group=self.group, async_op=True)
+
+        def finish() -> tuple[torch.Tensor, list[int] | None]:
+            work.wait()
+            return out.to(chunks.device), None
+
+        return _Done(finish)
+
+
+@dataclass
+class _Post:
+    rows: torch.Tensor
+    counts: list[int] | None
+
+
+@dataclass
+class LoopbackHub:
+    """The mailbox of a loopback world: each rank's k-th exchange meets every other rank's k-th."""
+
+    world_size: int
+    posts: dict[int, dict[int, _Post]] = field(default_factory=dict)
+    next_seq: list[int] = field(default_factory=list)
+    taken: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.next_seq = [0] * self.world_size
+
+    def post(self, rank: int, item: _Post) -> int:
+        seq = self.next_seq[rank]
+        self.next_seq[rank] += 1
+        self.posts.setdefault(seq, {})[rank] = item
+        return seq
+
+    def collect(self, seq: int, rank: int) -> list[_Post]:
+        posted = self.posts.get(seq, {})
+        missing = [r for r in range(self.world_size) if r not in posted]
+        if missing:
+            raise ExchangeError(
+                f"rank {rank} waits on exchange #{seq} but ranks {missing} have not posted it; in a loopback "
+                "world call every rank's *_send before any rank's *_recv"
+            )
+        items = [posted[r] for r in range(self.world_size)]
+        self.taken[seq] = self.taken.get(seq, 0) + 1
+        if self.taken[seq] == self.world_size:
+            del self.posts[seq], self.taken[seq]
+        return items
+
+
+class LoopbackExchange:
+    """One rank's view of a LoopbackHub."""
+
+    def __init__(self, hub: LoopbackHub, rank: int) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+
+    def variable(self, rows: torch.Tensor, send_counts: list[int]) -> Pending:
+        seq = self.hub.post(self.rank, _Post(rows, list(send_counts)))
+
+        def finish() -> tuple[torch.Tensor, list[int] | None]:
+            parts, counts = [], []
+            for post in self.hub.collect(seq, self.rank):
+                assert post.counts is not None
+                start = sum(post.counts[: self.rank])
+                count = post.counts[self.rank]
+                parts.append(post.rows[start : start + count])
+                counts.append(count)
+            return torch.cat(parts), counts
+
+        return _Done(finish)
+
+    def fixed(self, chunks: torch.Tensor) -> Pending:
+        seq = self.hub.post(self.rank, _Post(chunks, None))
+
+        def finish() -> tuple[torch.Tensor, list[int] | None]:
+            parts = [post.rows[self.rank] for post in self.hub.collect(seq, self.rank)]
+            return torch.stack(parts), None
+
+        return _Done(finish)

@@ -1,0 +1,185 @@
+"""The torch.distributed provider: packed wire rows through all_to_all_single.
+
+It is the reference the kernels must match byte for byte and the multi-node path. Intranode mode
+exchanges exactly the copies (one host sync for the counts); low-latency mode exchanges fixed
+per-source slots (``max_tokens_per_rank`` rows per source, no host sync, graph-capturable on NCCL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mori_sglang import formats
+from mori_sglang.config import EpConfig, Mode
+from mori_sglang.exchange import Exchange, Pending
+from mori_sglang.routing import SendPlan, plan_dispatch, source_of_rows
+from mori_sglang.types import CombineHandle, DispatchOutput
+
+
+@dataclass
+class _PendingDispatch:
+    plan: SendPlan
+    num_tokens: int
+    rows: Pending
+    counts: Pending | None  # low-latency only: per-source copy counts
+
+
+@dataclass
+class _PendingCombine:
+    handle: CombineHandle
+    rows: Pending
+    fixed_slots: bool
+
+
+class TorchProvider:
+    """Dispatch/combine for one rank over an Exchange (a ProcessGroup or a loopback world)."""
+
+    name = "torch"
+
+    def __init__(self, config: EpConfig, exchange: Exchange, device: torch.device, fp8_dtype: torch.dtype):
+        self.config = config
+        self.exchange = exchange
+        self.device = device
+        self.fp8_dtype = fp8_dtype
+        self._dispatch: _PendingDispatch | None = None
+        self._combine: _PendingCombine | None = None
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def dispatch_send(
+        self,
+        payload: torch.Tensor,
+        scales: torch.Tensor | None,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        layout: formats.DispatchRowLayout,
+    ) -> None:
+        cfg = self.config
+        plan = plan_dispatch(ids, cfg.num_local_experts, cfg.world_size, cfg.max_tokens_per_rank)
+        n = payload.shape[0]
+        if cfg.dispatch_mode is Mode.LOW_LATENCY:
+            slots = cfg.world_size * cfg.max_tokens_per_rank
+            copies = torch.arange(n * cfg.topk, device=self.device)
+            # Copies past the real count land in a spare row that is never sent.
+            target = torch.where(copies < plan.num_copies, plan.slot_of_copy, torch.full_like(copies, slots))
+            token = plan.token_of_copy
+            rows = layout.pack(payload[token], None if scales is None else scales[token], weights[token], ids[token])
+            send = torch.zeros(slots + 1, layout.row_bytes, dtype=torch.uint8, device=self.device)
+            send.index_copy_(0, target, rows)
+            chunks = send[:slots].view(cfg.world_size, cfg.max_tokens_per_rank, layout.row_bytes)
+            counts = plan.send_counts.view(cfg.world_size, 1)
+            self._dispatch = _PendingDispatch(
+                plan, n, self.exchange.fixed(chunks), self.exchange.fixed(counts)
+            )
+            return
+        send_counts = plan.send_counts.tolist()
+        token = plan.token_of_copy[: sum(send_counts)]
+        rows = layout.pack(payload[token], None if scales is None else scales[token], weights[token], ids[token])
+        self._dispatch = _PendingDispatch(plan, n, self.exchange.variable(rows, send_counts), None)
+
+    def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
+        if self._dispatch is None:
+            raise RuntimeError("dispatch_recv called without a dispatch_send before it")
+        pending, self._dispatch = self._dispatch, None
+        cfg = self.config
+        capacity = cfg.max_recv_tokens
+        recv, recv_counts_host = pending.rows.wait()
+        if pending.counts is None:
+            assert recv_counts_host is not None
+            recv_counts = torch.tensor(recv_counts_host, dtype=torch.int64, device=self.device)
+            total = recv.shape[0]
+            rows = torch.zeros(capacity, layout.row_bytes, dtype=torch.uint8, device=self.device)
+            rows[:total] = recv
+            num_recv = torch.tensor([total], dtype=torch.int32, device=self.device)
+            send_counts_host = pending.plan.send_counts.tolist()
+        else:
+            counts, _ = pending.counts.wait()
+            recv_counts = counts.view(-1).to(self.device)
+            src, pos = source_of_rows(recv_counts, capacity)
+            slot = (src * cfg.max_tokens_per_rank + pos.clamp(max=cfg.max_tokens_per_rank - 1)).clamp(min=0)
+            rows = recv.view(capacity, layout.row_bytes)[slot]
+            num_recv = recv_counts.sum().view(1).int()
+            send_counts_host = None
+        src, pos = source_of_rows(recv_counts, capacity)
+        handle = CombineHandle(
+            num_tokens=pending.num_tokens,
+            copy_of_pair=pending.plan.copy_of_pair,
+            slot_of_pair=pending.plan.slot_of_pair,
+            recv_src=src,
+            recv_pos=pos,
+            recv_counts=recv_counts,
+            num_recv=num_recv,
+            send_counts_host=send_counts_host,
+            recv_counts_host=recv_counts_host if pending.counts is None else None,
+        )
+        scales = None
+        if layout.scale_bytes:
+            scale_rows = layout.scale_region(rows).contiguous()
+            scales = scale_rows[:, : layout.scale_bytes]
+        return DispatchOutput(
+            tokens=layout.tokens(rows).contiguous().view(token_dtype),
+            topk_weights=layout.weights(rows),
+            topk_ids=layout.ids(rows),
+            scales=scales,
+            scale_stride=layout.scale_stride,
+            num_recv=num_recv,
+            handle=handle,
+        )
+
+    # -- combine ------------------------------------------------------------------------------
+
+    def _wire_rows(self, y: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return formats.quantize_combine(y, cfg.combine_dtype, self.fp8_dtype, cfg.combine_block)
+
+    def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        cfg = self.config
+        if cfg.combine_mode is Mode.LOW_LATENCY:
+            slots = cfg.world_size * cfg.max_tokens_per_rank
+            capacity = min(y.shape[0], cfg.max_recv_tokens)
+            wire = self._wire_rows(y[:capacity])
+            rows = torch.arange(capacity, device=self.device)
+            target = handle.recv_src[:capacity] * cfg.max_tokens_per_rank + handle.recv_pos[:capacity]
+            target = torch.where(rows < handle.num_recv.long(), target, torch.full_like(target, slots))
+            send = torch.zeros(slots + 1, wire.shape[1], dtype=torch.uint8, device=self.device)
+            send.index_copy_(0, target, wire)
+            chunks = send[:slots].view(cfg.world_size, cfg.max_tokens_per_rank, wire.shape[1])
+            self._combine = _PendingCombine(handle, self.exchange.fixed(chunks), fixed_slots=True)
+            return
+        if handle.recv_counts_host is None or handle.send_counts_host is None:
+            raise RuntimeError("intranode combine needs the handle of an intranode dispatch")
+        total = sum(handle.recv_counts_host)
+        wire = self._wire_rows(y[:total])
+        self._combine = _PendingCombine(
+            handle, self.exchange.variable(wire, handle.recv_counts_host), fixed_slots=False
+        )
+
+    def combine_recv(self) -> torch.Tensor:
+        if self._combine is None:
+            raise RuntimeError("combine_recv called without a combine_send before it")
+        pending, self._combine = self._combine, None
+        cfg = self.config
+        handle = pending.handle
+        back, _ = pending.rows.wait()
+        back = back.reshape(-1, back.shape[-1])
+        values = formats.dequantize_combine(back, cfg.combine_dtype, cfg.hidden, self.fp8_dtype, cfg.combine_block)
+        address = handle.slot_of_pair if pending.fixed_slots else handle.copy_of_pair
+        return accumulate_copies(values, address)
+
+
+def accumulate_copies(values: torch.Tensor, address: torch.Tensor) -> torch.Tensor:
+    """Per token, the f32 sum of its returned rows in ascending owning-k order, cast once to bf16.
+
+    ``address[n, k]`` indexes ``values`` (-1: nothing for that slot). Starting from +0.0 and adding the
+    rows in k order fixes the rounding, so every provider produces the same bits.
+    """
+    n, k = address.shape
+    padded = torch.cat([values, values.new_zeros(1, values.shape[1])])
+    spare = values.shape[0]
+    acc = values.new_zeros(n, values.shape[1])
+    for slot in range(k):
+        index = address[:, slot]
+        acc = acc + padded[torch.where(index >= 0, index, torch.full_like(index, spare))]
+    return acc.to(torch.bfloat16)

@@ -1,0 +1,58 @@
+"""What dispatch returns and what combine needs back: shared by every provider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CombineHandle:
+    """Routing state that lets combine bring each expert output back to its source token.
+
+    Source side: ``copy_of_pair`` / ``slot_of_pair`` address the copy of token n sent for top-k slot k
+    (-1 where none). Expert side: ``recv_src`` / ``recv_pos`` are each received row's source rank and
+    position within that source; ``recv_counts`` are rows per source. Host lists are present only where
+    the intranode dispatch already synchronised; the low-latency path never reads them.
+    """
+
+    num_tokens: int
+    copy_of_pair: torch.Tensor
+    slot_of_pair: torch.Tensor
+    recv_src: torch.Tensor
+    recv_pos: torch.Tensor
+    recv_counts: torch.Tensor
+    num_recv: torch.Tensor
+    send_counts_host: list[int] | None = None
+    recv_counts_host: list[int] | None = None
+
+
+@dataclass
+class DispatchOutput:
+    """Received tokens, compact and ordered by source rank, sized to the receive capacity.
+
+    Rows at and after ``num_recv`` are unspecified. ``scales`` is a uint8 view of the meaningful bytes
+    of each opaque scale row; its row stride is ``scale_stride`` (128 B aligned, pad bytes zero).
+    """
+
+    tokens: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    scales: torch.Tensor | None
+    scale_stride: int
+    num_recv: torch.Tensor
+    handle: CombineHandle
+
+    def recv_scales(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
+        """The scale rows viewed as ``dtype`` (e.g. f32 for fp8 dispatch), keeping the padded stride."""
+        if self.scales is None:
+            return None
+        size = torch.empty((), dtype=dtype).element_size()
+        rows, width = self.scales.shape
+        base = self.scales.as_strided((rows, self.scale_stride), (self.scale_stride, 1))
+        return base.view(dtype)[:, : width // size]
+
+    def num_recv_host(self) -> int:
+        """Received row count as a Python int (synchronises with the device)."""
+        return int(self.num_recv.item())
