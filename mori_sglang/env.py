@@ -107,8 +107,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
         "",
-        "Scales per token for blockwise fp8 combine; the block is ceil(hidden / value). Unset: blocks of "
-        "128 elements.",
+        "Scales per token for blockwise fp8 combine; the block is ceil(hidden / value). Unset: blocks of 128 elements.",
         kind="int",
     ),
 )

@@ -112,9 +112,7 @@ def _block_amax(y: torch.Tensor, block: int) -> torch.Tensor:
     return a.view(y.shape[0], y.shape[1] // block, block).amax(dim=2)
 
 
-def quantize_combine(
-    y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtype, block: int = 128
-) -> torch.Tensor:
+def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtype, block: int = 128) -> torch.Tensor:
     """Expert outputs ``[R, hidden]`` -> wire rows ``[R, combine_row_bytes]`` as uint8."""
     rows, hidden = y.shape
     if dtype is CombineDtype.BF16:

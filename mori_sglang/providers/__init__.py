@@ -26,7 +26,9 @@ def resolve_provider(requested: Provider, device: torch.device) -> Provider:
             return Provider.TRITON
         return Provider.TORCH
     if requested is Provider.MORI and not mori_available():
-        raise ConfigError("SGLANG_MORI_BACKEND=mori but the native MoRI package does not import; use auto, triton or torch")
+        raise ConfigError(
+            "SGLANG_MORI_BACKEND=mori but the native MoRI package does not import; use auto, triton or torch"
+        )
     if requested is Provider.TRITON and not triton_available():
         raise ConfigError("SGLANG_MORI_BACKEND=triton but triton is not installed; use auto or torch")
     return requested

@@ -70,9 +70,7 @@ class TorchProvider:
             send.index_copy_(0, target, rows)
             chunks = send[:slots].view(cfg.world_size, cfg.max_tokens_per_rank, layout.row_bytes)
             counts = plan.send_counts.view(cfg.world_size, 1)
-            self._dispatch = _PendingDispatch(
-                plan, n, self.exchange.fixed(chunks), self.exchange.fixed(counts)
-            )
+            self._dispatch = _PendingDispatch(plan, n, self.exchange.fixed(chunks), self.exchange.fixed(counts))
             return
         send_counts = plan.send_counts.tolist()
         token = plan.token_of_copy[: sum(send_counts)]
