@@ -91,10 +91,12 @@ class _Post:
 
 @dataclass
 class LoopbackHub:
-    """The mailbox of a loopback world: each rank's k-th exchange meets every other rank's k-th."""
+    """The shared state of a loopback world: a mailbox where each rank's k-th exchange meets every other
+    rank's k-th (torch provider), and every rank's arena (Triton provider)."""
 
     world_size: int
     posts: dict[int, dict[int, _Post]] = field(default_factory=dict)
+    arenas: dict[int, torch.Tensor] = field(default_factory=dict)  # Triton provider: each rank's arena
     next_seq: list[int] = field(default_factory=list)
     taken: dict[int, int] = field(default_factory=dict)
 

@@ -67,6 +67,18 @@ class EpDispatchCombineOp:
         )
         self.layout = formats.DispatchRowLayout(self.token_bytes, self.scale_bytes, config.topk)
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
+        self.provider_kind = resolve_provider(config.provider, self.device)
+        if self.provider_kind is Provider.TRITON:
+            from mori_sglang.providers.triton_provider import TritonProvider
+
+            self.provider = TritonProvider(
+                config, self.device, self.fp8_dtype, self.layout, group=group, loopback=loopback
+            )
+            return
+        if self.provider_kind is Provider.MORI:
+            raise ConfigError(
+                "SGLANG_MORI_BACKEND=mori: the native MoRI provider is not wired in yet; use triton or torch"
+            )
         exchange: Exchange
         if loopback is not None:
             if loopback.world_size != config.world_size:
@@ -79,11 +91,7 @@ class EpDispatchCombineOp:
                     f"config says rank {config.rank} of {config.world_size}, the process group says "
                     f"rank {exchange.rank} of {exchange.world_size}"
                 )
-        self.provider_kind = resolve_provider(config.provider, self.device)
-        if self.provider_kind is not Provider.TORCH:
-            self.provider = _kernel_provider(self.provider_kind, config, exchange, self.device, self.fp8_dtype)
-        else:
-            self.provider = TorchProvider(config, exchange, self.device, self.fp8_dtype)
+        self.provider = TorchProvider(config, exchange, self.device, self.fp8_dtype)
 
     # -- properties callers size their buffers with ---------------------------------------------
 
@@ -206,9 +214,3 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _kernel_provider(
-    kind: Provider, config: EpConfig, exchange: Exchange, device: torch.device, fp8_dtype: torch.dtype
-) -> object:
-    raise ConfigError(f"provider {kind.value} is not available in this build; use SGLANG_MORI_BACKEND=torch")

@@ -49,7 +49,9 @@ def plan_dispatch(
     # Sort key: destination, then token; invalid pairs sort last.
     key = torch.where(valid, flat_dest * (n + 1) + token, torch.full_like(flat_dest, world_size * (n + 1)))
     order = torch.argsort(key, stable=True)
-    send_counts = torch.bincount(flat_dest[valid], minlength=world_size)[:world_size]
+    # scatter_add, not bincount or boolean indexing: both synchronise with the host on GPUs.
+    send_counts = torch.zeros(world_size + 1, dtype=torch.long, device=device)
+    send_counts = send_counts.scatter_add_(0, flat_dest + 1, torch.ones_like(flat_dest))[1:]
     starts = torch.cumsum(send_counts, 0) - send_counts
     num_copies = valid.sum()
 

@@ -20,8 +20,8 @@ class CombineHandle:
     num_tokens: int
     copy_of_pair: torch.Tensor
     slot_of_pair: torch.Tensor
-    recv_src: torch.Tensor
-    recv_pos: torch.Tensor
+    recv_src: torch.Tensor | None
+    recv_pos: torch.Tensor | None
     recv_counts: torch.Tensor
     num_recv: torch.Tensor
     send_counts_host: list[int] | None = None

@@ -18,10 +18,8 @@ def triton_available() -> bool:
 
 
 def resolve_provider(requested: Provider, device: torch.device) -> Provider:
-    """auto: native MoRI where it imports, else our Triton kernels on a GPU, else torch.distributed."""
+    """auto: our Triton kernels on a GPU, else torch.distributed."""
     if requested is Provider.AUTO:
-        if mori_available() and device.type == "cuda":
-            return Provider.MORI
         if triton_available() and device.type == "cuda":
             return Provider.TRITON
         return Provider.TORCH

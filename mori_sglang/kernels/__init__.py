@@ -1,0 +1,1 @@
+"""Triton kernels: the transport of the triton provider."""

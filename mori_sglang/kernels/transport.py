@@ -1,0 +1,327 @@
+"""Triton kernels that move dispatch and combine rows between ranks' arenas.
+
+Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in a loopback world):
+
+    [dispatch rows: W * max_tokens x dispatch row] [combine rows: W * max_tokens x combine stride]
+    [sync: dispatch arrivals[W] | combine arrivals[W] | dispatch counts[W]]   (int64)
+
+A sender writes copy p of its own into slot ``(sender * max_tokens + p)`` of the destination's region,
+then every program adds 1 to the destination's arrival counter for that sender with release
+semantics. Arrival counters only grow: a receiver on its e-th round waits until every sender's counter
+reaches ``e * SEND_PROGRAMS`` (acquire), so no buffer is ever reset and a CUDA graph can replay the
+kernels. The round number lives on the device (``seq``), bumped by the last receiving program.
+A wait gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the host to raise.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+COMBINE_BF16 = 0
+COMBINE_FP8_DIRECT = 1
+COMBINE_FP8_BLOCKWISE = 2
+COMBINE_FP8_BLOCKWISE_NATIVE = 3
+
+
+@triton.jit
+def _wait_arrivals(arrivals_ptr, target, status_ptr, max_spins, W: tl.constexpr):
+    """Spin until every sender's arrival counter reaches ``target``; record a stalled peer in status."""
+    for src in range(W):
+        seen = tl.atomic_add(arrivals_ptr + src, 0, sem="acquire", scope="sys")
+        spins = 0
+        while (seen < target) & (spins < max_spins):
+            seen = tl.atomic_add(arrivals_ptr + src, 0, sem="acquire", scope="sys")
+            spins += 1
+        if seen < target:
+            tl.atomic_max(status_ptr, src + 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _signal_arrivals(peer_bases, arrivals_offset, rank, W: tl.constexpr):
+    """Tell every destination that this program's writes are done (release, system scope)."""
+    tl.debug_barrier()
+    for dst in range(W):
+        base = tl.load(peer_bases + dst)
+        arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
+        tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _finish_round(seq_ptr, seq, PROGRAMS: tl.constexpr):
+    """The last program to finish bumps the round number, after every program has read it."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(seq_ptr + 2, 1, sem="acq_rel", scope="gpu")
+    if ticket == PROGRAMS - 1:
+        tl.store(seq_ptr + 2, 0)
+        tl.store(seq_ptr, seq + 1)
+
+
+@triton.jit
+def _copy_words(dst, src, n_words, BLOCK: tl.constexpr):
+    for start in range(0, n_words, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_words
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _source_of_row(counts, j, WP: tl.constexpr):
+    """Row j of the compact receive order -> (source rank, position within that source)."""
+    ends = tl.cumsum(counts, 0)
+    src = tl.sum((ends <= j).to(tl.int64), 0)
+    start = tl.sum(tl.where(tl.arange(0, WP) == src, ends - counts, 0), 0)
+    return src, j - start
+
+
+@triton.jit
+def dispatch_send_kernel(
+    peer_bases,
+    payload_ptr,
+    scales_ptr,
+    weights_ptr,
+    ids_ptr,
+    token_of_copy_ptr,
+    slot_of_copy_ptr,
+    num_copies_ptr,
+    send_counts_ptr,
+    rank,
+    max_tokens,
+    counts_offset,
+    arrivals_offset,
+    ROW_WORDS: tl.constexpr,
+    TOKEN_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    STRIDE_WORDS: tl.constexpr,
+    SCALE_AT: tl.constexpr,
+    WEIGHTS_AT: tl.constexpr,
+    IDS_AT: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    """Write each copy's packed row (token | zero-padded scale row | weights | ids) into its slot."""
+    pid = tl.program_id(0)
+    num_copies = tl.load(num_copies_ptr)
+    k_offs = tl.arange(0, KP)
+    k_mask = k_offs < K
+    for c in range(pid, num_copies, PROGRAMS):
+        token = tl.load(token_of_copy_ptr + c)
+        slot = tl.load(slot_of_copy_ptr + c)
+        dst_rank = slot // max_tokens
+        pos = slot - dst_rank * max_tokens
+        base = tl.load(peer_bases + dst_rank)
+        row = base.to(tl.pointer_type(tl.int32)) + (rank * max_tokens + pos).to(tl.int64) * ROW_WORDS
+        _copy_words(row, payload_ptr + token * TOKEN_WORDS, TOKEN_WORDS, BLOCK)
+        if STRIDE_WORDS > 0:
+            for start in range(0, STRIDE_WORDS, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                value = tl.load(scales_ptr + token * SCALE_WORDS + offs, mask=offs < SCALE_WORDS, other=0)
+                tl.store(row + SCALE_AT + offs, value, mask=offs < STRIDE_WORDS)
+        tl.store(row + WEIGHTS_AT + k_offs, tl.load(weights_ptr + token * K + k_offs, mask=k_mask), mask=k_mask)
+        tl.store(row + IDS_AT + k_offs, tl.load(ids_ptr + token * K + k_offs, mask=k_mask), mask=k_mask)
+    if pid == 0:
+        for dst in range(W):
+            base = tl.load(peer_bases + dst)
+            counts = (base + counts_offset).to(tl.pointer_type(tl.int64))
+            tl.store(counts + rank, tl.load(send_counts_ptr + dst))
+    _signal_arrivals(peer_bases, arrivals_offset, rank, W)
+
+
+@triton.jit
+def dispatch_recv_kernel(
+    arena_ptr,
+    seq_ptr,
+    status_ptr,
+    tokens_out,
+    scales_out,
+    weights_out,
+    ids_out,
+    num_recv_out,
+    recv_counts_out,
+    max_tokens,
+    max_spins,
+    counts_offset,
+    arrivals_offset,
+    ROW_WORDS: tl.constexpr,
+    TOKEN_WORDS: tl.constexpr,
+    STRIDE_WORDS: tl.constexpr,
+    SCALE_AT: tl.constexpr,
+    WEIGHTS_AT: tl.constexpr,
+    IDS_AT: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    SEND_PROGRAMS: tl.constexpr,
+):
+    """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
+    pid = tl.program_id(0)
+    seq = tl.load(seq_ptr)
+    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
+    _wait_arrivals(arrivals, (seq + 1) * SEND_PROGRAMS, status_ptr, max_spins, W)
+    w_offs = tl.arange(0, WP)
+    counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
+    counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
+    total = tl.sum(counts, 0)
+    rows = arena_ptr.to(tl.pointer_type(tl.int32))
+    k_offs = tl.arange(0, KP)
+    k_mask = k_offs < K
+    for j in range(pid, total, PROGRAMS):
+        src, pos = _source_of_row(counts, j, WP)
+        row = rows + (src * max_tokens + pos) * ROW_WORDS
+        _copy_words(tokens_out + j * TOKEN_WORDS, row, TOKEN_WORDS, BLOCK)
+        if STRIDE_WORDS > 0:
+            _copy_words(scales_out + j * STRIDE_WORDS, row + SCALE_AT, STRIDE_WORDS, BLOCK)
+        tl.store(weights_out + j * K + k_offs, tl.load(row + WEIGHTS_AT + k_offs, mask=k_mask), mask=k_mask)
+        tl.store(ids_out + j * K + k_offs, tl.load(row + IDS_AT + k_offs, mask=k_mask), mask=k_mask)
+    if pid == 0:
+        tl.store(num_recv_out, total.to(tl.int32))
+        tl.store(recv_counts_out + w_offs, counts, mask=w_offs < W)
+    _finish_round(seq_ptr, seq, PROGRAMS)
+
+
+@triton.jit
+def _quantize_row(
+    src,
+    dst,
+    HIDDEN: tl.constexpr,
+    FORMAT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """One expert output row -> its combine wire row (the torch reference in formats.py, bit for bit)."""
+    NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
+    cols = tl.arange(0, BLOCK_P2)
+    any_scaled = tl.full((), 0, tl.int32)
+    first_scale = tl.full((), 0.0, tl.float32)
+    for b0 in range(0, NUM_BLOCKS, TILE_BLOCKS):
+        blocks = b0 + tl.arange(0, TILE_BLOCKS)
+        elem = blocks[:, None] * BLOCK + cols[None, :]
+        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
+        x = tl.load(src + elem, mask=mask, other=0.0).to(tl.float32)
+        if FORMAT == 0:
+            tl.store(dst.to(tl.pointer_type(tl.bfloat16)) + elem, x.to(tl.bfloat16), mask=mask)
+        elif FORMAT == 1:
+            q = tl.clamp(x, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+            tl.store(dst.to(tl.pointer_type(FP8)) + elem, q, mask=mask)
+        else:
+            amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
+            if FORMAT == 2:
+                scale = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+                q = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+            else:
+                scaled = amax > FP8_MAX
+                scale = tl.where(scaled, amax * (1.0 / FP8_MAX), 1.0)
+                inv = tl.where(scaled, tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax), 1.0)
+                q = tl.where(scaled[:, None], x * inv[:, None], x)
+                any_scaled = tl.maximum(any_scaled, tl.max(scaled.to(tl.int32), axis=0))
+                first_scale = tl.where(b0 == 0, tl.sum(tl.where(blocks == 0, scale, 0.0), axis=0), first_scale)
+            q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+            tl.store(dst.to(tl.pointer_type(FP8)) + elem, q, mask=mask)
+            scales = (dst + HIDDEN).to(tl.pointer_type(tl.float32))
+            tl.store(scales + blocks, scale, mask=blocks < NUM_BLOCKS)
+    if FORMAT == 3:
+        tl.debug_barrier()
+        if any_scaled > 0:
+            tl.store((dst + HIDDEN).to(tl.pointer_type(tl.float32)), -first_scale)
+
+
+@triton.jit
+def combine_send_kernel(
+    peer_bases,
+    y_ptr,
+    recv_counts_ptr,
+    rank,
+    max_tokens,
+    combine_offset,
+    arrivals_offset,
+    HIDDEN: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    FORMAT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    """Quantize each received row's expert output straight into its source rank's combine slot."""
+    pid = tl.program_id(0)
+    w_offs = tl.arange(0, WP)
+    counts = tl.load(recv_counts_ptr + w_offs, mask=w_offs < W, other=0)
+    total = tl.sum(counts, 0)
+    for j in range(pid, total, PROGRAMS):
+        src, pos = _source_of_row(counts, j, WP)
+        base = tl.load(peer_bases + src)
+        dst = (base + combine_offset).to(tl.pointer_type(tl.uint8)) + (rank * max_tokens + pos) * ROW_STRIDE
+        _quantize_row(y_ptr + j * HIDDEN, dst, HIDDEN, FORMAT, BLOCK, BLOCK_P2, TILE_BLOCKS, FP8_MAX, FP8)
+    _signal_arrivals(peer_bases, arrivals_offset, rank, W)
+
+
+@triton.jit
+def combine_recv_kernel(
+    arena_ptr,
+    seq_ptr,
+    status_ptr,
+    slot_of_pair_ptr,
+    out_ptr,
+    num_tokens,
+    max_spins,
+    combine_offset,
+    arrivals_offset,
+    HIDDEN: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    FORMAT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+    FP8: tl.constexpr,
+    K: tl.constexpr,
+    W: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    SEND_PROGRAMS: tl.constexpr,
+):
+    """Per token: dequantize its returned rows and add them in f32 in top-k order, cast once to bf16."""
+    pid = tl.program_id(0)
+    seq = tl.load(seq_ptr + 1)
+    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
+    _wait_arrivals(arrivals, (seq + 1) * SEND_PROGRAMS, status_ptr, max_spins, W)
+    NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
+    rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
+    cols = tl.arange(0, BLOCK_P2)
+    for n in range(pid, num_tokens, PROGRAMS):
+        for b0 in range(0, NUM_BLOCKS, TILE_BLOCKS):
+            blocks = b0 + tl.arange(0, TILE_BLOCKS)
+            elem = blocks[:, None] * BLOCK + cols[None, :]
+            mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
+            acc = tl.zeros((TILE_BLOCKS, BLOCK_P2), dtype=tl.float32)
+            for k in range(K):
+                slot = tl.load(slot_of_pair_ptr + n * K + k)
+                present = slot >= 0
+                row = rows + tl.maximum(slot, 0) * ROW_STRIDE
+                m = mask & present
+                if FORMAT == 0:
+                    v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + elem, mask=m, other=0.0).to(tl.float32)
+                else:
+                    v = tl.load(row.to(tl.pointer_type(FP8)) + elem, mask=m, other=0.0).to(tl.float32)
+                    if FORMAT >= 2:
+                        scales = (row + HIDDEN).to(tl.pointer_type(tl.float32))
+                        s = tl.load(scales + blocks, mask=(blocks < NUM_BLOCKS) & present, other=1.0)
+                        if FORMAT == 3:
+                            flagged = tl.load(scales, mask=present, other=1.0) < 0
+                            s = tl.where(flagged, tl.abs(s), 1.0)
+                        v = v * s[:, None]
+                acc = acc + tl.where(m, v, 0.0)
+            tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)
+    _finish_round(seq_ptr + 1, seq, PROGRAMS)

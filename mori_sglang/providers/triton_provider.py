@@ -1,0 +1,306 @@
+"""The Triton provider: our kernels over symmetric memory (or a loopback world's arenas).
+
+Both modes use fixed per-source slots, so a send never waits for a count exchange: intranode mode
+is the send and the receive back to back, low-latency mode returns after the send. Outputs live in
+buffers owned by the op and are overwritten by the next call, as with native MoRI; nothing allocates
+or synchronises with the host on the hot path, so the calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from mori_sglang import formats
+from mori_sglang.config import CombineDtype, EpConfig
+from mori_sglang.exchange import LoopbackHub
+from mori_sglang.kernels import transport
+from mori_sglang.providers.arena import Arena, ArenaLayout
+from mori_sglang.routing import plan_dispatch
+from mori_sglang.types import CombineHandle, DispatchOutput
+
+COMBINE_FORMAT = {
+    CombineDtype.BF16: transport.COMBINE_BF16,
+    CombineDtype.FP8_DIRECT_CAST: transport.COMBINE_FP8_DIRECT,
+    CombineDtype.FP8_BLOCKWISE: transport.COMBINE_FP8_BLOCKWISE,
+    CombineDtype.FP8_BLOCKWISE_NATIVE: transport.COMBINE_FP8_BLOCKWISE_NATIVE,
+}
+TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
+COPY_BLOCK = 1024
+# Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
+DEFAULT_MAX_SPINS = 1 << 26
+
+
+class PeerTimeoutError(TimeoutError):
+    """A receive waited past its bound for a peer that never signalled."""
+
+
+def _words(nbytes: int) -> int:
+    assert nbytes % 4 == 0, nbytes
+    return nbytes // 4
+
+
+class TritonProvider:
+    name = "triton"
+
+    def __init__(
+        self,
+        config: EpConfig,
+        device: torch.device,
+        fp8_dtype: torch.dtype,
+        layout: formats.DispatchRowLayout,
+        *,
+        group: dist.ProcessGroup | None = None,
+        loopback: LoopbackHub | None = None,
+        programs: int | None = None,
+        max_spins: int = DEFAULT_MAX_SPINS,
+    ) -> None:
+        if device.type == "cpu" and not _interpreting():
+            raise RuntimeError("the triton provider on CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        self.config = config
+        self.device = device
+        self.fp8_dtype = fp8_dtype
+        self.max_spins = max_spins
+        self.programs = programs or _default_programs(device)
+        combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
+        self.arena_layout = ArenaLayout(
+            config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
+        )
+        self._loopback = loopback
+        if loopback is not None:
+            self.arena = Arena.loopback(self.arena_layout, loopback, config.rank, device)
+            self._peers_ready = False
+        else:
+            self.arena = Arena.symmetric(self.arena_layout, group or dist.group.WORLD, device)
+            self._peers_ready = True
+        capacity = config.max_recv_tokens
+        self.seq = torch.zeros(4, dtype=torch.int64, device=device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._status_event = torch.cuda.Event()
+        self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
+        self.scales_out = torch.empty(capacity, _words(layout.scale_stride), dtype=torch.int32, device=device)
+        self.weights_out = torch.empty(capacity, config.topk, dtype=torch.float32, device=device)
+        self.ids_out = torch.empty(capacity, config.topk, dtype=torch.int32, device=device)
+        self.num_recv = torch.zeros(1, dtype=torch.int32, device=device)
+        self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
+        self._slot_of_pair: torch.Tensor | None = None
+        self._num_tokens = 0
+        self._combine_handle: CombineHandle | None = None
+        self.fp8_name = TRITON_FP8[fp8_dtype]
+        block = config.combine_block
+        self.block_p2 = triton.next_power_of_2(block)
+        self.tile_blocks = max(1, 1024 // self.block_p2)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _ensure_peers(self) -> None:
+        if not self._peers_ready:
+            self.arena.resolve_loopback_peers(self._loopback)
+            self._peers_ready = True
+
+    def check_status(self) -> None:
+        """Raise if a receive gave up on a peer (reads one int from the device)."""
+        stalled = int(self.status.item())
+        if stalled:
+            self.status.zero_()
+            raise PeerTimeoutError(
+                f"rank {self.config.rank} waited {self.max_spins} polls for rank {stalled - 1}, which never "
+                "signalled; it is stalled, crashed or ran a different number of dispatch/combine calls"
+            )
+
+    def _after_receive(self) -> None:
+        """Surface a stalled peer without a host sync: on GPUs the status is copied to pinned memory
+        behind an event and read at the next call once the event has passed."""
+        if self.device.type != "cuda":
+            self.check_status()
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self._raise_pending_timeout()
+        self._status_host.copy_(self.status, non_blocking=True)
+        self._status_event.record()
+
+    def _raise_pending_timeout(self) -> None:
+        if self._status_event.query() and int(self._status_host[0]):
+            self.check_status()
+
+    def synchronize(self) -> None:
+        """Wait for the device and raise if any receive so far gave up on a peer."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.check_status()
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def dispatch_send(
+        self,
+        payload: torch.Tensor,
+        scales: torch.Tensor | None,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        layout: formats.DispatchRowLayout,
+    ) -> None:
+        self._ensure_peers()
+        cfg = self.config
+        plan = plan_dispatch(ids, cfg.num_local_experts, cfg.world_size, cfg.max_tokens_per_rank)
+        self._slot_of_pair = plan.slot_of_pair.contiguous()
+        self._num_tokens = payload.shape[0]
+        payload_words = payload.contiguous().view(torch.uint8).view(torch.int32)
+        scale_words = scales.contiguous().view(torch.int32) if scales is not None else payload_words
+        transport.dispatch_send_kernel[(self.programs,)](
+            self.arena.peer_bases,
+            payload_words,
+            scale_words,
+            weights.float().contiguous().view(torch.int32),
+            ids.int().contiguous(),
+            plan.token_of_copy.contiguous(),
+            plan.slot_of_copy.contiguous(),
+            plan.num_copies,
+            plan.send_counts,
+            cfg.rank,
+            cfg.max_tokens_per_rank,
+            self.arena_layout.counts_offset,
+            self.arena_layout.dispatch_arrivals_offset,
+            ROW_WORDS=_words(layout.row_bytes),
+            TOKEN_WORDS=_words(layout.token_bytes),
+            SCALE_WORDS=_words(layout.scale_bytes),
+            STRIDE_WORDS=_words(layout.scale_stride),
+            SCALE_AT=_words(layout.scale_offset),
+            WEIGHTS_AT=_words(layout.weights_offset),
+            IDS_AT=_words(layout.ids_offset),
+            K=cfg.topk,
+            KP=triton.next_power_of_2(cfg.topk),
+            W=cfg.world_size,
+            BLOCK=COPY_BLOCK,
+            PROGRAMS=self.programs,
+        )
+
+    def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
+        if self._slot_of_pair is None:
+            raise RuntimeError("dispatch_recv called without a dispatch_send before it")
+        cfg = self.config
+        transport.dispatch_recv_kernel[(self.programs,)](
+            self.arena.base,
+            self.seq,
+            self.status,
+            self.tokens_out,
+            self.scales_out,
+            self.weights_out.view(torch.int32),
+            self.ids_out,
+            self.num_recv,
+            self.recv_counts,
+            cfg.max_tokens_per_rank,
+            self.max_spins,
+            self.arena_layout.counts_offset,
+            self.arena_layout.dispatch_arrivals_offset,
+            ROW_WORDS=_words(layout.row_bytes),
+            TOKEN_WORDS=_words(layout.token_bytes),
+            STRIDE_WORDS=_words(layout.scale_stride),
+            SCALE_AT=_words(layout.scale_offset),
+            WEIGHTS_AT=_words(layout.weights_offset),
+            IDS_AT=_words(layout.ids_offset),
+            K=cfg.topk,
+            KP=triton.next_power_of_2(cfg.topk),
+            W=cfg.world_size,
+            WP=triton.next_power_of_2(cfg.world_size),
+            BLOCK=COPY_BLOCK,
+            PROGRAMS=self.programs,
+            SEND_PROGRAMS=self.programs,
+        )
+        self._after_receive()
+        handle = CombineHandle(
+            num_tokens=self._num_tokens,
+            copy_of_pair=self._slot_of_pair,
+            slot_of_pair=self._slot_of_pair,
+            recv_src=None,
+            recv_pos=None,
+            recv_counts=self.recv_counts,
+            num_recv=self.num_recv,
+        )
+        scales = None
+        if layout.scale_bytes:
+            scales = self.scales_out.view(torch.uint8)[:, : layout.scale_bytes]
+        return DispatchOutput(
+            tokens=self.tokens_out.view(torch.uint8).view(token_dtype),
+            topk_weights=self.weights_out,
+            topk_ids=self.ids_out,
+            scales=scales,
+            scale_stride=layout.scale_stride,
+            num_recv=self.num_recv,
+            handle=handle,
+        )
+
+    # -- combine ------------------------------------------------------------------------------
+
+    def _combine_meta(self) -> dict[str, object]:
+        cfg = self.config
+        return {
+            "HIDDEN": cfg.hidden,
+            "ROW_STRIDE": self.arena_layout.combine_row_stride,
+            "FORMAT": COMBINE_FORMAT[cfg.combine_dtype],
+            "BLOCK": cfg.combine_block,
+            "BLOCK_P2": self.block_p2,
+            "TILE_BLOCKS": self.tile_blocks,
+        }
+
+    def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        self._ensure_peers()
+        cfg = self.config
+        transport.combine_send_kernel[(self.programs,)](
+            self.arena.peer_bases,
+            y.contiguous(),
+            handle.recv_counts,
+            cfg.rank,
+            cfg.max_tokens_per_rank,
+            self.arena_layout.combine_offset,
+            self.arena_layout.combine_arrivals_offset,
+            **self._combine_meta(),
+            FP8_MAX=formats.fp8_max(self.fp8_dtype),
+            FP8=self.fp8_name,
+            W=cfg.world_size,
+            WP=triton.next_power_of_2(cfg.world_size),
+            PROGRAMS=self.programs,
+        )
+        self._combine_handle = handle
+
+    def combine_recv(self) -> torch.Tensor:
+        if self._combine_handle is None:
+            raise RuntimeError("combine_recv called without a combine_send before it")
+        handle, self._combine_handle = self._combine_handle, None
+        cfg = self.config
+        out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=self.device)
+        transport.combine_recv_kernel[(self.programs,)](
+            self.arena.base,
+            self.seq,
+            self.status,
+            handle.slot_of_pair,
+            out,
+            handle.num_tokens,
+            self.max_spins,
+            self.arena_layout.combine_offset,
+            self.arena_layout.combine_arrivals_offset,
+            **self._combine_meta(),
+            FP8=self.fp8_name,
+            K=cfg.topk,
+            W=cfg.world_size,
+            PROGRAMS=self.programs,
+            SEND_PROGRAMS=self.programs,
+        )
+        self._after_receive()
+        return out
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _default_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
