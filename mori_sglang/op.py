@@ -203,6 +203,14 @@ class EpDispatchCombineOp:
         """Per original token, the f32 sum over its destination ranks, as bf16 ``[num_tokens, hidden]``."""
         return self.provider.combine_recv()
 
+    def synchronize(self) -> None:
+        """Wait for this rank's device work; raise if a receive gave up on a stalled peer."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        check = getattr(self.provider, "check_status", None)
+        if check is not None:
+            check()
+
     def combine(self, y: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
         if self.config.combine_mode is Mode.LOW_LATENCY:
             raise InputError("low-latency combine is split: call combine_send, then combine_recv")

@@ -221,7 +221,8 @@ def _quantize_row(
             else:
                 scaled = amax > FP8_MAX
                 scale = tl.where(scaled, amax * (1.0 / FP8_MAX), 1.0)
-                inv = tl.where(scaled, tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax), 1.0)
+                safe_amax = tl.where(scaled, amax, 1.0)
+                inv = tl.where(scaled, tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe_amax), 1.0)
                 q = tl.where(scaled[:, None], x * inv[:, None], x)
                 any_scaled = tl.maximum(any_scaled, tl.max(scaled.to(tl.int32), axis=0))
                 first_scale = tl.where(b0 == 0, tl.sum(tl.where(blocks == 0, scale, 0.0), axis=0), first_scale)

@@ -130,12 +130,6 @@ class TritonProvider:
         if self._status_event.query() and int(self._status_host[0]):
             self.check_status()
 
-    def synchronize(self) -> None:
-        """Wait for the device and raise if any receive so far gave up on a peer."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.check_status()
-
     # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch_send(

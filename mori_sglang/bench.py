@@ -1,0 +1,288 @@
+"""Benchmark of dispatch and combine in a loopback world: time, algorithm GB/s, % of the copy roofline.
+
+    python -m mori_sglang.bench --world 8 --tokens 128 4096 --hidden 7168 --topk 8 --experts 256 \
+        --dispatch-dtype fp8 --combine-dtype bf16 fp8_blockwise fp8_direct_cast --mode low_latency
+
+Every rank's buffers sit on one device, so the numbers measure the kernels' memory traffic against
+the device's own copy bandwidth (measured in the same run), and the torch provider runs the same
+steps beside them as the baseline. Bandwidth follows MoRI's accounting: received rows x row bytes.
+On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mori_sglang import formats
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.routing import owning_destinations
+
+
+@dataclass
+class Row:
+    provider: str
+    mode: str
+    tokens: int
+    dispatch_dtype: str
+    combine_dtype: str
+    dispatch_us: float
+    combine_us: float
+    dispatch_send_us: float
+    dispatch_recv_us: float
+    combine_send_us: float
+    combine_recv_us: float
+    dispatch_gbs: float
+    combine_gbs: float
+    dispatch_traffic_pct: float
+    combine_send_traffic_pct: float
+    combine_recv_traffic_pct: float
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Device-to-device copy GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = _time_phases([lambda: dst.copy_(src)], device, iters)[0]
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_phases(phases: list[Callable[[], object]], device: torch.device, iters: int) -> list[list[float]]:
+    """Seconds of each phase per iteration (phases run in order every iteration)."""
+    out: list[list[float]] = [[] for _ in phases]
+    for _ in range(iters):
+        for i, phase in enumerate(phases):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                phase()
+                end.record()
+                end.synchronize()
+                out[i].append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                phase()
+                out[i].append(time.perf_counter() - t0)
+    return out
+
+
+def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    xs, weights, ids = [], [], []
+    for _ in range(cfg.world_size):
+        xs.append(torch.randn(tokens, cfg.hidden, generator=gen).to(torch.bfloat16).to(device))
+        ids.append(torch.rand(tokens, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.int().to(device))
+        weights.append(torch.rand(tokens, cfg.topk, generator=gen).to(device))
+    return xs, weights, ids
+
+
+def bench_one(cfg: EpConfig, tokens: int, device: torch.device, iters: int, graph: bool) -> tuple[Row, int]:
+    world = LoopbackWorld(cfg, device)
+    xs, weights, ids = make_inputs(cfg, tokens, device, seed=1)
+    ops = world.ops
+    outs: list = [None] * cfg.world_size
+    results: list = [None] * cfg.world_size
+
+    def dispatch_send() -> None:
+        for op, x, w, i in zip(ops, xs, weights, ids, strict=True):
+            op.dispatch_send(x, w, None, i)
+
+    def dispatch_recv() -> None:
+        for r, op in enumerate(ops):
+            outs[r] = op.dispatch_recv()
+
+    # The expert side returns the received tokens (dequantized) as its outputs.
+    dispatch_send()
+    dispatch_recv()
+    ys = [_expert_identity(o, cfg) for o in outs]
+
+    def combine_send() -> None:
+        for op, y, o in zip(ops, ys, outs, strict=True):
+            op.combine_send(y, o.handle)
+
+    def combine_recv() -> None:
+        for r, op in enumerate(ops):
+            results[r] = op.combine_recv()
+
+    phases = [dispatch_send, dispatch_recv, combine_send, combine_recv]
+    for phase in phases[2:]:
+        phase()
+    if graph and device.type == "cuda":
+        phases = [_capture(p, device) for p in phases]
+    for phase in phases:  # warm-up
+        phase()
+    times = [statistics.median(t) * 1e6 for t in _time_phases(phases, device, iters)]
+    recv_rows = sum(int(o.num_recv.item()) for o in outs)
+    pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in ids)
+    assert recv_rows == pairs, (recv_rows, pairs)
+    return _row(cfg, tokens, times, recv_rows, world.ops[0]), recv_rows
+
+
+def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _expert_identity(out, cfg: EpConfig) -> torch.Tensor:
+    scales = None
+    if out.scales is not None:
+        scales = out.recv_scales(torch.float32 if cfg.dispatch_dtype is DispatchDtype.FP8 else torch.uint8)
+    return formats.dequantize_dispatch(out.tokens, scales, cfg.dispatch_dtype, cfg.hidden).to(torch.bfloat16)
+
+
+_COPY_BW: dict[str, float] = {}
+
+
+def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op) -> Row:
+    ds, dr, cs, cr = times
+    dispatch_bytes = recv_rows * (op.layout.token_bytes + op.layout.scale_bytes)
+    combine_row = formats.combine_row_bytes(cfg.combine_dtype, cfg.hidden, cfg.combine_block)
+    combine_bytes = recv_rows * combine_row
+    bw = _COPY_BW.get("bw", float("nan"))
+    # Traffic each phase must move at least once: dispatch reads+writes every row twice (send, compact);
+    # combine send reads the bf16 expert output and writes the wire row; receive reads the wire rows
+    # and writes one bf16 row per source token.
+    row_bytes = op.layout.row_bytes
+    dispatch_traffic = 4 * recv_rows * row_bytes
+    send_traffic = recv_rows * (2 * cfg.hidden + combine_row)
+    recv_traffic = recv_rows * combine_row + cfg.world_size * tokens * 2 * cfg.hidden
+    return Row(
+        provider=op.provider_kind.value,
+        mode=cfg.mode.value,
+        tokens=tokens,
+        dispatch_dtype=cfg.dispatch_dtype.value,
+        combine_dtype=cfg.combine_dtype.value,
+        dispatch_us=ds + dr,
+        combine_us=cs + cr,
+        dispatch_send_us=ds,
+        dispatch_recv_us=dr,
+        combine_send_us=cs,
+        combine_recv_us=cr,
+        dispatch_gbs=dispatch_bytes / ((ds + dr) * 1e-6) / 1e9,
+        combine_gbs=combine_bytes / ((cs + cr) * 1e-6) / 1e9,
+        dispatch_traffic_pct=100 * dispatch_traffic / ((ds + dr) * 1e-6) / 1e9 / bw,
+        combine_send_traffic_pct=100 * send_traffic / (cs * 1e-6) / 1e9 / bw,
+        combine_recv_traffic_pct=100 * recv_traffic / (cr * 1e-6) / 1e9 / bw,
+    )
+
+
+def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str:
+    lines = [
+        f"copy roofline (read+write): {copy_bw:.0f} GB/s",
+        "",
+        "| provider | mode | tokens/rank | dispatch | combine | dispatch µs | combine µs | dispatch GB/s | "
+        "combine GB/s | dispatch % roof | combine send % roof | combine recv % roof | "
+        "dispatch x torch | combine x torch |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        base = baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype))
+        ratio_d = f"{base.dispatch_us / r.dispatch_us:.1f}" if base else "-"
+        ratio_c = f"{base.combine_us / r.combine_us:.1f}" if base else "-"
+        lines.append(
+            f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
+            f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.0f} | {r.combine_gbs:.0f} | "
+            f"{r.dispatch_traffic_pct:.0f} | {r.combine_send_traffic_pct:.0f} | {r.combine_recv_traffic_pct:.0f} | "
+            f"{ratio_d} | {ratio_c} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.provider}\n{r.mode}\n{r.tokens}\n{r.combine_dtype}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.dispatch_gbs for r in rows], width=0.4, label="dispatch")
+    ax.bar([x + 0.2 for x in xs], [r.combine_gbs for r in rows], width=0.4, label="combine")
+    ax.set_xticks(list(xs), labels, fontsize=6)
+    ax.set_ylabel("algorithm GB/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--dispatch-dtype", default="fp8", choices=[d.value for d in DispatchDtype])
+    parser.add_argument(
+        "--combine-dtype",
+        nargs="+",
+        default=["bf16", "fp8_blockwise", "fp8_direct_cast"],
+        choices=[c.value for c in CombineDtype],
+    )
+    parser.add_argument("--mode", nargs="+", default=["intranode", "low_latency"], choices=[m.value for m in Mode])
+    parser.add_argument("--provider", default="triton", choices=["triton", "torch"])
+    parser.add_argument("--no-baseline", action="store_true", help="skip the torch provider baseline")
+    parser.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--plot", help="write a bar chart (PNG) here")
+    args = parser.parse_args(argv)
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    bw = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    _COPY_BW["bw"] = bw
+    rows: list[Row] = []
+    baseline: dict[tuple, Row] = {}
+    for mode in args.mode:
+        for tokens in args.tokens:
+            for combine in args.combine_dtype:
+                cfg = EpConfig(
+                    world_size=args.world,
+                    rank=0,
+                    hidden=args.hidden,
+                    num_experts=args.experts,
+                    topk=args.topk,
+                    max_tokens_per_rank=tokens,
+                    dispatch_dtype=args.dispatch_dtype,
+                    combine_dtype=combine,
+                    mode=mode,
+                    provider=Provider(args.provider),
+                )
+                row, _ = bench_one(cfg, tokens, device, args.iters, graph=not args.no_graph)
+                rows.append(row)
+                if not args.no_baseline and args.provider != "torch":
+                    base_cfg = EpConfig(**{**_cfg_dict(cfg), "provider": Provider.TORCH})
+                    base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), graph=False)
+                    baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
+                    rows.append(base)
+    print(markdown(rows, baseline, bw))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbs": bw, "device": str(device), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return rows
+
+
+def _cfg_dict(cfg: EpConfig) -> dict:
+    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+if __name__ == "__main__":
+    main()

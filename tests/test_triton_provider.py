@@ -1,0 +1,238 @@
+"""The Triton provider against the torch provider: identical wire bytes and outputs, bit for bit.
+
+On a machine without a GPU the kernels run in Triton's interpreter on CPU tensors, with its float
+conversions made exact (see interpreter_casts.py); on a GPU the same tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="the triton provider needs the triton package")
+
+import interpreter_casts
+
+from mori_sglang import formats
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.providers.triton_provider import PeerTimeoutError
+from mori_sglang.routing import source_of_rows
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+WORLD = 8 if ON_GPU else 4
+HIDDEN = 7168 if ON_GPU else 256
+EXPERTS = 256 if ON_GPU else 16
+TOPK = 8 if ON_GPU else 4
+MAX_TOKENS = 64 if ON_GPU else 6
+
+if not ON_GPU:
+    interpreter_casts.install()
+
+
+def _inputs(cfg: EpConfig, counts: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    xs, weights, ids = [], [], []
+    for n in counts:
+        magnitude = 10.0 ** torch.randint(-4, 3, (n, 1), generator=gen)
+        xs.append((torch.randn(n, cfg.hidden, generator=gen) * magnitude).to(torch.bfloat16).to(DEVICE))
+        topk = torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices
+        drop = torch.rand(n, cfg.topk, generator=gen) < 0.1
+        ids.append(torch.where(drop, -1, topk).int().to(DEVICE))
+        weights.append(torch.rand(n, cfg.topk, generator=gen).to(DEVICE))
+    return xs, weights, ids
+
+
+def _step(world: LoopbackWorld, xs, weights, ids):
+    """One dispatch + identity expert + combine over every rank, split into send and receive phases."""
+    for op, x, w, i in zip(world.ops, xs, weights, ids, strict=True):
+        op.dispatch_send(x, w, None, i)
+    outs = [op.dispatch_recv() for op in world.ops]
+    counts = [o.num_recv_host() for o in outs]
+    cfg = world.ops[0].config
+    ys = []
+    for out, n in zip(outs, counts, strict=True):
+        scales = None
+        if out.scales is not None:
+            scales = out.recv_scales(torch.float32 if cfg.dispatch_dtype is DispatchDtype.FP8 else torch.uint8)[:n]
+        y = formats.dequantize_dispatch(out.tokens[:n], scales, cfg.dispatch_dtype, cfg.hidden)
+        ys.append((y * 1.5).to(torch.bfloat16))
+    for op, y, out in zip(world.ops, ys, outs, strict=True):
+        op.combine_send(y, out.handle)
+    snapshots = [op.provider.arena.buffer.clone() for op in world.ops] if _is_triton(world) else None
+    combined = [op.combine_recv() for op in world.ops]
+    return outs, counts, ys, combined, snapshots
+
+
+def _is_triton(world: LoopbackWorld) -> bool:
+    return world.ops[0].provider_kind.value == "triton"
+
+
+def _check_combine_wire(world: LoopbackWorld, outs, counts, ys, snapshots) -> None:
+    """Every combine row in its source's arena equals the torch reference quantization of that output."""
+    cfg = world.ops[0].config
+    provider = world.ops[0].provider
+    layout = provider.arena_layout
+    row_bytes = formats.combine_row_bytes(cfg.combine_dtype, cfg.hidden, cfg.combine_block)
+    for dest, (out, n) in enumerate(zip(outs, counts, strict=True)):
+        if n == 0:
+            continue
+        src, pos = source_of_rows(out.handle.recv_counts.cpu(), n)
+        expected = formats.quantize_combine(ys[dest], cfg.combine_dtype, provider.fp8_dtype, cfg.combine_block)
+        for j in range(n):
+            slot = dest * cfg.max_tokens_per_rank + int(pos[j])
+            start = layout.combine_offset + slot * layout.combine_row_stride
+            wire = snapshots[int(src[j])][start : start + row_bytes]
+            assert torch.equal(wire.cpu(), expected[j].cpu()), f"combine row {j} of rank {dest}"
+
+
+def _assert_same(ref, got, scale_bytes: int) -> None:
+    ref_outs, ref_counts, _, ref_comb, _ = ref
+    outs, counts, _, comb, _ = got
+    assert counts == ref_counts
+    for r, n in enumerate(counts):
+        a, b = ref_outs[r], outs[r]
+        assert torch.equal(a.tokens[:n].view(torch.uint8).cpu(), b.tokens[:n].view(torch.uint8).cpu())
+        assert torch.equal(a.topk_ids[:n].cpu(), b.topk_ids[:n].cpu())
+        assert torch.equal(a.topk_weights[:n].view(torch.int32).cpu(), b.topk_weights[:n].view(torch.int32).cpu())
+        if scale_bytes:
+            assert torch.equal(a.recv_scales()[:n].cpu(), b.recv_scales()[:n].cpu())
+            padded = b.scales.as_strided((n, b.scale_stride), (b.scale_stride, 1))
+            assert b.scale_stride % 128 == 0
+            assert not padded[:, scale_bytes:].any(), "scale row pad bytes must be zero"
+        assert torch.equal(ref_comb[r].view(torch.int16).cpu(), comb[r].view(torch.int16).cpu()), f"rank {r}"
+
+
+COMBINES = [
+    CombineDtype.BF16,
+    CombineDtype.FP8_BLOCKWISE,
+    CombineDtype.FP8_BLOCKWISE_NATIVE,
+    CombineDtype.FP8_DIRECT_CAST,
+]
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("combine", COMBINES)
+@pytest.mark.parametrize("dispatch", [DispatchDtype.BF16, DispatchDtype.FP8, DispatchDtype.MXFP4])
+def test_bit_identical_to_torch_provider(mode: Mode, combine: CombineDtype, dispatch: DispatchDtype) -> None:
+    seed = random.randrange(1 << 30)
+    counts = [random.randint(0, MAX_TOKENS) for _ in range(WORLD)]
+    counts[seed % WORLD] = 0  # a rank with no tokens
+    runs = {}
+    for provider in ("torch", "triton"):
+        cfg = EpConfig(
+            WORLD,
+            0,
+            HIDDEN,
+            EXPERTS,
+            TOPK,
+            max_tokens_per_rank=MAX_TOKENS,
+            dispatch_dtype=dispatch,
+            combine_dtype=combine,
+            mode=mode,
+            provider=provider,
+        )
+        world = LoopbackWorld(cfg, DEVICE)
+        runs[provider] = (world, _step(world, *_inputs(cfg, counts, seed)))
+    world, got = runs["triton"]
+    _assert_same(runs["torch"][1], got, world.ops[0].scale_bytes)
+    _check_combine_wire(world, got[0], got[1], got[2], got[4])
+
+
+def test_rounds_reuse_buffers_without_reset() -> None:
+    """Epoch counters: many rounds with random token counts (0 included) stay identical to torch."""
+    rounds = 12 if ON_GPU else 4
+    worlds = {
+        p: LoopbackWorld(
+            EpConfig(
+                WORLD,
+                0,
+                HIDDEN,
+                EXPERTS,
+                TOPK,
+                max_tokens_per_rank=MAX_TOKENS,
+                mode=Mode.LOW_LATENCY,
+                combine_dtype=CombineDtype.FP8_BLOCKWISE,
+                provider=p,
+            ),
+            DEVICE,
+        )
+        for p in ("torch", "triton")
+    }
+    cfg = worlds["torch"].ops[0].config
+    for _ in range(rounds):
+        seed = random.randrange(1 << 30)
+        counts = [random.choice([0, 1, MAX_TOKENS, random.randint(0, MAX_TOKENS)]) for _ in range(WORLD)]
+        inputs = _inputs(cfg, counts, seed)
+        _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
+
+
+def test_stalled_peer_raises_timeout_naming_it() -> None:
+    cfg = EpConfig(2, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="triton")
+    world = LoopbackWorld(cfg, DEVICE)
+    for op in world.ops:
+        op.provider.max_spins = 50
+    xs, weights, ids = _inputs(cfg, [3, 3], seed=7)
+    world.ops[0].dispatch_send(xs[0], weights[0], None, ids[0])  # rank 1 never sends
+    with pytest.raises(PeerTimeoutError, match="rank 1"):
+        world.ops[0].dispatch_recv()
+        world.ops[0].synchronize()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graph capture needs a CUDA GPU")
+def test_cuda_graph_replay_matches_eager() -> None:
+    cfg = EpConfig(
+        WORLD,
+        0,
+        HIDDEN,
+        EXPERTS,
+        TOPK,
+        max_tokens_per_rank=MAX_TOKENS,
+        mode=Mode.LOW_LATENCY,
+        dispatch_dtype=DispatchDtype.FP8,
+        combine_dtype=CombineDtype.FP8_BLOCKWISE,
+        provider="triton",
+    )
+    world = LoopbackWorld(cfg, DEVICE)
+    ref_world = LoopbackWorld(EpConfig(**{**cfg.__dict__, "provider": "torch"}), DEVICE)
+    counts = [MAX_TOKENS] * WORLD
+    xs, weights, ids = _inputs(cfg, counts, seed=3)
+    _step(world, xs, weights, ids)  # warm-up compiles every kernel
+    outs: list = [None] * WORLD
+    results: list = [None] * WORLD
+    ys = [torch.zeros(cfg.max_recv_tokens, HIDDEN, dtype=torch.bfloat16, device=DEVICE) for _ in range(WORLD)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for op, x, w, i in zip(world.ops, xs, weights, ids, strict=True):
+            op.dispatch_send(x, w, None, i)
+        for r, op in enumerate(world.ops):
+            outs[r] = op.dispatch_recv()
+            ys[r].copy_(
+                formats.dequantize_dispatch(
+                    outs[r].tokens, outs[r].recv_scales(torch.float32), cfg.dispatch_dtype, HIDDEN
+                ).to(torch.bfloat16)
+            )
+        for op, y, out in zip(world.ops, ys, outs, strict=True):
+            op.combine_send(y, out.handle)
+        for r, op in enumerate(world.ops):
+            results[r] = op.combine_recv()
+    for replay in range(3):
+        new_x, new_w, new_ids = _inputs(cfg, counts, seed=100 + replay)
+        for dst, src in zip(xs + weights + ids, new_x + new_w + new_ids, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _step(ref_world, xs, weights, ids)
+        for r in range(WORLD):
+            n = ref[1][r]
+            assert int(outs[r].num_recv.item()) == n
+            assert torch.equal(outs[r].tokens[:n].view(torch.uint8), ref[0][r].tokens[:n].view(torch.uint8))
+            assert torch.equal(results[r].view(torch.int16), ref[3][r].view(torch.int16)), (replay, r)
+    world.ops[0].synchronize()
