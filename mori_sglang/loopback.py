@@ -21,12 +21,11 @@ class LoopbackWorld:
 
     def __init__(self, config: EpConfig, device: torch.device | str = "cpu") -> None:
         self.world_size = config.world_size
-        self.device = torch.device(device)
         self.hub = LoopbackHub(config.world_size)
         self.ops = [
-            EpDispatchCombineOp(config.with_rank(r), device=self.device, loopback=self.hub)
-            for r in range(config.world_size)
+            EpDispatchCombineOp(config.with_rank(r), device=device, loopback=self.hub) for r in range(config.world_size)
         ]
+        self.device = self.ops[0].device
 
     def dispatch(
         self,

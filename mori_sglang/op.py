@@ -49,7 +49,7 @@ class EpDispatchCombineOp:
         loopback: LoopbackHub | None = None,
     ) -> None:
         self.config = config
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = _normalize_device(device)
         self.fp8_dtype = config.fp8_dtype or formats.fp8_dtype_for_device(self.device)
         if config.combine_dtype not in SUPPORTED_COMBINE:
             accepted = ", ".join(d.value for d in SUPPORTED_COMBINE)
@@ -218,7 +218,11 @@ class EpDispatchCombineOp:
         return self.combine_recv()
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
+def _normalize_device(device: torch.device | str | None) -> torch.device:
+    """An explicit device with its index, so that tensors' devices compare equal to it."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device

@@ -5,11 +5,12 @@ Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in 
     [dispatch rows: W * max_tokens x dispatch row] [combine rows: W * max_tokens x combine stride]
     [sync: dispatch arrivals[W] | combine arrivals[W] | dispatch counts[W]]   (int64)
 
-A sender writes copy p of its own into slot ``(sender * max_tokens + p)`` of the destination's region,
-then every program adds 1 to the destination's arrival counter for that sender with release
-semantics. Arrival counters only grow: a receiver on its e-th round waits until every sender's counter
-reaches ``e * SEND_PROGRAMS`` (acquire), so no buffer is ever reset and a CUDA graph can replay the
-kernels. The round number lives on the device (``seq``), bumped by the last receiving program.
+A sender writes copy p of its own into slot ``(sender * max_tokens + p)`` of the destination's region.
+Each program then takes a ticket (acquire-release); the last one, which has thereby seen every other
+program's writes, adds 1 to each destination's arrival counter for this sender (release, system
+scope). Arrival counters only grow: on its e-th round a receiver waits until every sender's counter
+reaches e (acquire), so no buffer is ever reset and a CUDA graph can replay the kernels. Round numbers
+and tickets live on the device (``seq``: dispatch round, combine round, then four tickets).
 A wait gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the host to raise.
 """
 
@@ -39,13 +40,16 @@ def _wait_arrivals(arrivals_ptr, target, status_ptr, max_spins, W: tl.constexpr)
 
 
 @triton.jit
-def _signal_arrivals(peer_bases, arrivals_offset, rank, W: tl.constexpr):
-    """Tell every destination that this program's writes are done (release, system scope)."""
+def _signal_arrivals(peer_bases, arrivals_offset, rank, ticket_ptr, W: tl.constexpr, PROGRAMS: tl.constexpr):
+    """The last program to finish tells every destination that this rank's writes are done."""
     tl.debug_barrier()
-    for dst in range(W):
-        base = tl.load(peer_bases + dst)
-        arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
-        tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    if ticket == PROGRAMS - 1:
+        tl.store(ticket_ptr, 0)
+        for dst in range(W):
+            base = tl.load(peer_bases + dst)
+            arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
+            tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -78,6 +82,7 @@ def _source_of_row(counts, j, WP: tl.constexpr):
 @triton.jit
 def dispatch_send_kernel(
     peer_bases,
+    seq_ptr,
     payload_ptr,
     scales_ptr,
     weights_ptr,
@@ -128,7 +133,7 @@ def dispatch_send_kernel(
             base = tl.load(peer_bases + dst)
             counts = (base + counts_offset).to(tl.pointer_type(tl.int64))
             tl.store(counts + rank, tl.load(send_counts_ptr + dst))
-    _signal_arrivals(peer_bases, arrivals_offset, rank, W)
+    _signal_arrivals(peer_bases, arrivals_offset, rank, seq_ptr + 4, W, PROGRAMS)
 
 
 @triton.jit
@@ -158,13 +163,12 @@ def dispatch_recv_kernel(
     WP: tl.constexpr,
     BLOCK: tl.constexpr,
     PROGRAMS: tl.constexpr,
-    SEND_PROGRAMS: tl.constexpr,
 ):
     """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
     pid = tl.program_id(0)
     seq = tl.load(seq_ptr)
     arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
-    _wait_arrivals(arrivals, (seq + 1) * SEND_PROGRAMS, status_ptr, max_spins, W)
+    _wait_arrivals(arrivals, seq + 1, status_ptr, max_spins, W)
     w_offs = tl.arange(0, WP)
     counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
     counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
@@ -239,6 +243,7 @@ def _quantize_row(
 @triton.jit
 def combine_send_kernel(
     peer_bases,
+    seq_ptr,
     y_ptr,
     recv_counts_ptr,
     rank,
@@ -267,7 +272,7 @@ def combine_send_kernel(
         base = tl.load(peer_bases + src)
         dst = (base + combine_offset).to(tl.pointer_type(tl.uint8)) + (rank * max_tokens + pos) * ROW_STRIDE
         _quantize_row(y_ptr + j * HIDDEN, dst, HIDDEN, FORMAT, BLOCK, BLOCK_P2, TILE_BLOCKS, FP8_MAX, FP8)
-    _signal_arrivals(peer_bases, arrivals_offset, rank, W)
+    _signal_arrivals(peer_bases, arrivals_offset, rank, seq_ptr + 5, W, PROGRAMS)
 
 
 @triton.jit
@@ -291,13 +296,12 @@ def combine_recv_kernel(
     K: tl.constexpr,
     W: tl.constexpr,
     PROGRAMS: tl.constexpr,
-    SEND_PROGRAMS: tl.constexpr,
 ):
     """Per token: dequantize its returned rows and add them in f32 in top-k order, cast once to bf16."""
     pid = tl.program_id(0)
     seq = tl.load(seq_ptr + 1)
     arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
-    _wait_arrivals(arrivals, (seq + 1) * SEND_PROGRAMS, status_ptr, max_spins, W)
+    _wait_arrivals(arrivals, seq + 1, status_ptr, max_spins, W)
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
     cols = tl.arange(0, BLOCK_P2)

@@ -78,7 +78,7 @@ class TritonProvider:
             self.arena = Arena.symmetric(self.arena_layout, group or dist.group.WORLD, device)
             self._peers_ready = True
         capacity = config.max_recv_tokens
-        self.seq = torch.zeros(4, dtype=torch.int64, device=device)
+        self.seq = torch.zeros(6, dtype=torch.int64, device=device)
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
         if device.type == "cuda":
             self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -149,6 +149,7 @@ class TritonProvider:
         scale_words = scales.contiguous().view(torch.int32) if scales is not None else payload_words
         transport.dispatch_send_kernel[(self.programs,)](
             self.arena.peer_bases,
+            self.seq,
             payload_words,
             scale_words,
             weights.float().contiguous().view(torch.int32),
@@ -205,7 +206,6 @@ class TritonProvider:
             WP=triton.next_power_of_2(cfg.world_size),
             BLOCK=COPY_BLOCK,
             PROGRAMS=self.programs,
-            SEND_PROGRAMS=self.programs,
         )
         self._after_receive()
         handle = CombineHandle(
@@ -248,6 +248,7 @@ class TritonProvider:
         cfg = self.config
         transport.combine_send_kernel[(self.programs,)](
             self.arena.peer_bases,
+            self.seq,
             y.contiguous(),
             handle.recv_counts,
             cfg.rank,
@@ -260,6 +261,7 @@ class TritonProvider:
             W=cfg.world_size,
             WP=triton.next_power_of_2(cfg.world_size),
             PROGRAMS=self.programs,
+            enable_fp_fusion=False,
         )
         self._combine_handle = handle
 
@@ -284,7 +286,7 @@ class TritonProvider:
             K=cfg.topk,
             W=cfg.world_size,
             PROGRAMS=self.programs,
-            SEND_PROGRAMS=self.programs,
+            enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
         )
         self._after_receive()
         return out
@@ -295,6 +297,7 @@ def _interpreting() -> bool:
 
 
 def _default_programs(device: torch.device) -> int:
+    """Enough programs per SM that their memory latencies overlap; two in the CPU interpreter."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
     return 2
