@@ -125,12 +125,14 @@ def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtyp
     limit = fp8_max(fp8_dtype)
     xf = y.float().view(rows, n_blocks, block)
     if dtype is CombineDtype.FP8_BLOCKWISE:
-        scales = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+        # Divide by a tensor, never a Python scalar: torch turns a scalar divisor into a multiply by its
+        # reciprocal on GPUs (not on CPUs), which rounds differently from the kernels' true division.
+        scales = torch.where(amax > 0, amax / torch.full_like(amax, limit), torch.ones_like(amax))
         q = saturating_fp8_cast(xf / scales[:, :, None], fp8_dtype)
     else:
         scaled = amax > limit
         scales = torch.where(scaled, amax * (1.0 / limit), torch.ones_like(amax))
-        inv = torch.where(scaled, limit / amax, torch.ones_like(amax))
+        inv = torch.where(scaled, torch.full_like(amax, limit) / amax, torch.ones_like(amax))
         q = saturating_fp8_cast(torch.where(scaled[:, :, None], xf * inv[:, :, None], xf), fp8_dtype)
         flag = scaled.any(dim=1)
         scales[:, 0] = torch.where(flag, -scales[:, 0], scales[:, 0])
@@ -236,7 +238,7 @@ def quantize_dispatch(
     if dtype is DispatchDtype.FP8:
         groups = xf.view(n, hidden // DISPATCH_FP8_GROUP, DISPATCH_FP8_GROUP)
         amax = groups.abs().amax(dim=2).clamp(min=1e-10)
-        scales = amax / fp8_max(fp8_dtype)
+        scales = amax / torch.full_like(amax, fp8_max(fp8_dtype))
         q = saturating_fp8_cast(groups / scales[:, :, None], fp8_dtype).view(n, hidden)
         return q, scales
     groups = xf.view(n, hidden // MX_GROUP, MX_GROUP)

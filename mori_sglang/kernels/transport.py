@@ -5,12 +5,13 @@ Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in 
     [dispatch rows: W * max_tokens x dispatch row] [combine rows: W * max_tokens x combine stride]
     [sync: dispatch arrivals[W] | combine arrivals[W] | dispatch counts[W]]   (int64)
 
-A sender writes copy p of its own into slot ``(sender * max_tokens + p)`` of the destination's region.
-Each program then takes a ticket (acquire-release); the last one, which has thereby seen every other
-program's writes, adds 1 to each destination's arrival counter for this sender (release, system
-scope). Arrival counters only grow: on its e-th round a receiver waits until every sender's counter
-reaches e (acquire), so no buffer is ever reset and a CUDA graph can replay the kernels. Round numbers
-and tickets live on the device (``seq``: dispatch round, combine round, then four tickets).
+A send kernel writes copy p of rank r into slot ``(r * max_tokens + p)`` of the destination's region;
+after it, a one-program signal kernel adds 1 to each destination's arrival counter for r (release,
+system scope; the kernel boundary orders it after every write of the send). Arrival counters only
+grow: a one-program wait kernel on the receiver waits until every sender's counter reaches the next
+round number (acquire) and then advances the round, so no buffer is ever reset, the many programs of
+the copy kernels never contend on a flag, and a CUDA graph can replay everything. Round numbers live
+on the device (``seq``: dispatch round, combine round).
 A wait gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the host to raise.
 """
 
@@ -26,40 +27,28 @@ COMBINE_FP8_BLOCKWISE_NATIVE = 3
 
 
 @triton.jit
-def _wait_arrivals(arrivals_ptr, target, status_ptr, max_spins, W: tl.constexpr):
-    """Spin until every sender's arrival counter reaches ``target``; record a stalled peer in status."""
+def wait_kernel(arena_ptr, seq_ptr, status_ptr, max_spins, arrivals_offset, W: tl.constexpr):
+    """Wait until every sender has signalled this round, then advance the round (one program)."""
+    target = tl.load(seq_ptr) + 1
+    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
     for src in range(W):
-        seen = tl.atomic_add(arrivals_ptr + src, 0, sem="acquire", scope="sys")
+        seen = tl.atomic_add(arrivals + src, 0, sem="acquire", scope="sys")
         spins = 0
         while (seen < target) & (spins < max_spins):
-            seen = tl.atomic_add(arrivals_ptr + src, 0, sem="acquire", scope="sys")
+            seen = tl.atomic_add(arrivals + src, 0, sem="acquire", scope="sys")
             spins += 1
         if seen < target:
             tl.atomic_max(status_ptr, src + 1)
-    tl.debug_barrier()
+    tl.store(seq_ptr, target)
 
 
 @triton.jit
-def _signal_arrivals(peer_bases, arrivals_offset, rank, ticket_ptr, W: tl.constexpr, PROGRAMS: tl.constexpr):
-    """The last program to finish tells every destination that this rank's writes are done."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    if ticket == PROGRAMS - 1:
-        tl.store(ticket_ptr, 0)
-        for dst in range(W):
-            base = tl.load(peer_bases + dst)
-            arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
-            tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
-
-
-@triton.jit
-def _finish_round(seq_ptr, seq, PROGRAMS: tl.constexpr):
-    """The last program to finish bumps the round number, after every program has read it."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(seq_ptr + 2, 1, sem="acq_rel", scope="gpu")
-    if ticket == PROGRAMS - 1:
-        tl.store(seq_ptr + 2, 0)
-        tl.store(seq_ptr, seq + 1)
+def signal_kernel(peer_bases, arrivals_offset, rank, W: tl.constexpr):
+    """Tell every destination that this rank's writes of the round are done (one program)."""
+    for dst in range(W):
+        base = tl.load(peer_bases + dst)
+        arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
+        tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -82,7 +71,6 @@ def _source_of_row(counts, j, WP: tl.constexpr):
 @triton.jit
 def dispatch_send_kernel(
     peer_bases,
-    seq_ptr,
     payload_ptr,
     scales_ptr,
     weights_ptr,
@@ -94,7 +82,6 @@ def dispatch_send_kernel(
     rank,
     max_tokens,
     counts_offset,
-    arrivals_offset,
     ROW_WORDS: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -133,14 +120,11 @@ def dispatch_send_kernel(
             base = tl.load(peer_bases + dst)
             counts = (base + counts_offset).to(tl.pointer_type(tl.int64))
             tl.store(counts + rank, tl.load(send_counts_ptr + dst))
-    _signal_arrivals(peer_bases, arrivals_offset, rank, seq_ptr + 4, W, PROGRAMS)
 
 
 @triton.jit
 def dispatch_recv_kernel(
     arena_ptr,
-    seq_ptr,
-    status_ptr,
     tokens_out,
     scales_out,
     weights_out,
@@ -148,9 +132,7 @@ def dispatch_recv_kernel(
     num_recv_out,
     recv_counts_out,
     max_tokens,
-    max_spins,
     counts_offset,
-    arrivals_offset,
     ROW_WORDS: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     STRIDE_WORDS: tl.constexpr,
@@ -164,11 +146,8 @@ def dispatch_recv_kernel(
     BLOCK: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
-    """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
+    """Copy the received rows out compact, ordered by source rank (after the wait kernel)."""
     pid = tl.program_id(0)
-    seq = tl.load(seq_ptr)
-    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
-    _wait_arrivals(arrivals, seq + 1, status_ptr, max_spins, W)
     w_offs = tl.arange(0, WP)
     counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
     counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
@@ -187,7 +166,6 @@ def dispatch_recv_kernel(
     if pid == 0:
         tl.store(num_recv_out, total.to(tl.int32))
         tl.store(recv_counts_out + w_offs, counts, mask=w_offs < W)
-    _finish_round(seq_ptr, seq, PROGRAMS)
 
 
 @triton.jit
@@ -243,13 +221,11 @@ def _quantize_row(
 @triton.jit
 def combine_send_kernel(
     peer_bases,
-    seq_ptr,
     y_ptr,
     recv_counts_ptr,
     rank,
     max_tokens,
     combine_offset,
-    arrivals_offset,
     HIDDEN: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     FORMAT: tl.constexpr,
@@ -272,20 +248,15 @@ def combine_send_kernel(
         base = tl.load(peer_bases + src)
         dst = (base + combine_offset).to(tl.pointer_type(tl.uint8)) + (rank * max_tokens + pos) * ROW_STRIDE
         _quantize_row(y_ptr + j * HIDDEN, dst, HIDDEN, FORMAT, BLOCK, BLOCK_P2, TILE_BLOCKS, FP8_MAX, FP8)
-    _signal_arrivals(peer_bases, arrivals_offset, rank, seq_ptr + 5, W, PROGRAMS)
 
 
 @triton.jit
 def combine_recv_kernel(
     arena_ptr,
-    seq_ptr,
-    status_ptr,
     slot_of_pair_ptr,
     out_ptr,
     num_tokens,
-    max_spins,
     combine_offset,
-    arrivals_offset,
     HIDDEN: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     FORMAT: tl.constexpr,
@@ -294,14 +265,10 @@ def combine_recv_kernel(
     TILE_BLOCKS: tl.constexpr,
     FP8: tl.constexpr,
     K: tl.constexpr,
-    W: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
     """Per token: dequantize its returned rows and add them in f32 in top-k order, cast once to bf16."""
     pid = tl.program_id(0)
-    seq = tl.load(seq_ptr + 1)
-    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
-    _wait_arrivals(arrivals, seq + 1, status_ptr, max_spins, W)
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
     cols = tl.arange(0, BLOCK_P2)
@@ -329,4 +296,3 @@ def combine_recv_kernel(
                         v = v * s[:, None]
                 acc = acc + tl.where(m, v, 0.0)
             tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)
-    _finish_round(seq_ptr + 1, seq, PROGRAMS)

@@ -78,7 +78,7 @@ class TritonProvider:
             self.arena = Arena.symmetric(self.arena_layout, group or dist.group.WORLD, device)
             self._peers_ready = True
         capacity = config.max_recv_tokens
-        self.seq = torch.zeros(6, dtype=torch.int64, device=device)
+        self.seq = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch round, combine round
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
         if device.type == "cuda":
             self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -149,7 +149,6 @@ class TritonProvider:
         scale_words = scales.contiguous().view(torch.int32) if scales is not None else payload_words
         transport.dispatch_send_kernel[(self.programs,)](
             self.arena.peer_bases,
-            self.seq,
             payload_words,
             scale_words,
             weights.float().contiguous().view(torch.int32),
@@ -161,7 +160,6 @@ class TritonProvider:
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.counts_offset,
-            self.arena_layout.dispatch_arrivals_offset,
             ROW_WORDS=_words(layout.row_bytes),
             TOKEN_WORDS=_words(layout.token_bytes),
             SCALE_WORDS=_words(layout.scale_bytes),
@@ -175,15 +173,30 @@ class TritonProvider:
             BLOCK=COPY_BLOCK,
             PROGRAMS=self.programs,
         )
+        self._signal(self.arena_layout.dispatch_arrivals_offset)
+
+    def _signal(self, arrivals_offset: int) -> None:
+        transport.signal_kernel[(1,)](
+            self.arena.peer_bases, arrivals_offset, self.config.rank, W=self.config.world_size
+        )
+
+    def _wait(self, round_index: int, arrivals_offset: int) -> None:
+        transport.wait_kernel[(1,)](
+            self.arena.base,
+            self.seq[round_index:],
+            self.status,
+            self.max_spins,
+            arrivals_offset,
+            W=self.config.world_size,
+        )
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
         if self._slot_of_pair is None:
             raise RuntimeError("dispatch_recv called without a dispatch_send before it")
         cfg = self.config
+        self._wait(0, self.arena_layout.dispatch_arrivals_offset)
         transport.dispatch_recv_kernel[(self.programs,)](
             self.arena.base,
-            self.seq,
-            self.status,
             self.tokens_out,
             self.scales_out,
             self.weights_out.view(torch.int32),
@@ -191,9 +204,7 @@ class TritonProvider:
             self.num_recv,
             self.recv_counts,
             cfg.max_tokens_per_rank,
-            self.max_spins,
             self.arena_layout.counts_offset,
-            self.arena_layout.dispatch_arrivals_offset,
             ROW_WORDS=_words(layout.row_bytes),
             TOKEN_WORDS=_words(layout.token_bytes),
             STRIDE_WORDS=_words(layout.scale_stride),
@@ -248,13 +259,11 @@ class TritonProvider:
         cfg = self.config
         transport.combine_send_kernel[(self.programs,)](
             self.arena.peer_bases,
-            self.seq,
             y.contiguous(),
             handle.recv_counts,
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.combine_offset,
-            self.arena_layout.combine_arrivals_offset,
             **self._combine_meta(),
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
@@ -263,6 +272,7 @@ class TritonProvider:
             PROGRAMS=self.programs,
             enable_fp_fusion=False,
         )
+        self._signal(self.arena_layout.combine_arrivals_offset)
         self._combine_handle = handle
 
     def combine_recv(self) -> torch.Tensor:
@@ -271,20 +281,16 @@ class TritonProvider:
         handle, self._combine_handle = self._combine_handle, None
         cfg = self.config
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=self.device)
+        self._wait(1, self.arena_layout.combine_arrivals_offset)
         transport.combine_recv_kernel[(self.programs,)](
             self.arena.base,
-            self.seq,
-            self.status,
             handle.slot_of_pair,
             out,
             handle.num_tokens,
-            self.max_spins,
             self.arena_layout.combine_offset,
-            self.arena_layout.combine_arrivals_offset,
             **self._combine_meta(),
             FP8=self.fp8_name,
             K=cfg.topk,
-            W=cfg.world_size,
             PROGRAMS=self.programs,
             enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
         )
