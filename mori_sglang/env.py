@@ -88,8 +88,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "SGLANG_MORI_BACKEND",
         "auto",
-        "Provider: mori (native MoRI library), triton (our kernels over symmetric memory), torch "
-        "(torch.distributed all_to_all). auto: mori where importable, else triton on GPU, else torch.",
+        "Provider: triton (our kernels over symmetric memory), torch (torch.distributed all_to_all). "
+        "auto: triton on a GPU, else torch. mori names the native MoRI library; it is refused with an error "
+        "until that provider is wired in.",
         ("auto", "mori", "triton", "torch"),
     ),
     EnvVar(

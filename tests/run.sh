@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh machine (CPU torch, Triton's interpreter, stock SGLang and vLLM) and
+# runs the whole test suite. Each plugin's tests run in a venv of its own, next to the real package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$(mktemp -d)}"
+
+python3 -m venv .venv
+.venv/bin/pip install -q torch==2.13.0 triton==3.7.1
+.venv/bin/pip install -q -e '.[test]'
+.venv/bin/ruff check .
+.venv/bin/python -m pytest -q tests --ignore-glob='tests/test_sglang_*' --ignore-glob='tests/test_vllm_*'
+
+bash .ci/install-sglang.sh .venv-sglang
+.venv-sglang/bin/python -m pytest -q tests/test_sglang_*.py
+
+bash .ci/install-vllm.sh .venv-vllm
+.venv-vllm/bin/python -m pytest -q tests/test_vllm_*.py
