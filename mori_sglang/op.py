@@ -160,6 +160,10 @@ class EpDispatchCombineOp:
         self._check_dispatch(x, topk_weights, scales, topk_ids)
         payload = x
         if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
+            natural = self.scale_bytes == formats.dispatch_scale_bytes(self.config.dispatch_dtype, self.config.hidden)
+            if self.config.dispatch_dtype in self.provider.fused_quantization and scales is None and natural:
+                self.provider.dispatch_send(x, None, topk_weights, topk_ids, self.layout, quantize=True)
+                return
             payload, scales = formats.quantize_dispatch(x, self.config.dispatch_dtype, self.fp8_dtype)
         scale_rows = None
         if self.scale_bytes:

@@ -39,40 +39,45 @@ def owning_destinations(topk_ids: torch.Tensor, num_local_experts: int) -> torch
 def plan_dispatch(
     topk_ids: torch.Tensor, num_local_experts: int, world_size: int, max_tokens_per_rank: int
 ) -> SendPlan:
-    """Group the owning (token, slot) pairs by destination rank, tokens ascending inside a group."""
+    """Group the owning (token, slot) pairs by destination rank, tokens ascending inside a group.
+
+    No sort: a token's position in its group for rank d is the number of earlier tokens that also go
+    to d, an exclusive prefix sum down the [N, W] matrix of "token n goes to rank d".
+    """
     n, k = topk_ids.shape
     device = topk_ids.device
     dest = owning_destinations(topk_ids, num_local_experts)
-    flat_dest = dest.reshape(-1)
-    valid = flat_dest >= 0
-    token = torch.arange(n, device=device).repeat_interleave(k)
-    # Sort key: destination, then token; invalid pairs sort last.
-    key = torch.where(valid, flat_dest * (n + 1) + token, torch.full_like(flat_dest, world_size * (n + 1)))
-    order = torch.argsort(key, stable=True)
-    # scatter_add, not bincount or boolean indexing: both synchronise with the host on GPUs.
-    send_counts = torch.zeros(world_size + 1, dtype=torch.long, device=device)
-    send_counts = send_counts.scatter_add_(0, flat_dest + 1, torch.ones_like(flat_dest))[1:]
+    valid = dest >= 0
+    # Column W collects the slots that send nothing.
+    column = torch.where(valid, dest, torch.full_like(dest, world_size))
+    goes_to = torch.zeros(n, world_size + 1, dtype=torch.long, device=device)
+    goes_to.scatter_(1, column, 1)
+    goes_to = goes_to[:, :world_size]
+    before = torch.cumsum(goes_to, dim=0) - goes_to
+    send_counts = goes_to.sum(dim=0)
     starts = torch.cumsum(send_counts, 0) - send_counts
-    num_copies = valid.sum()
 
-    sorted_dest = flat_dest[order]
-    rank_in_order = torch.arange(n * k, device=device)
-    position = rank_in_order - starts[sorted_dest.clamp(min=0)]
-    slot_sorted = sorted_dest.clamp(min=0) * max_tokens_per_rank + position
+    safe_dest = dest.clamp(min=0)
+    position = before.gather(1, safe_dest)
+    none = torch.full_like(dest, -1)
+    copy_of_pair = torch.where(valid, starts[safe_dest] + position, none)
+    slot_of_pair = torch.where(valid, safe_dest * max_tokens_per_rank + position, none)
 
-    copy_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=device)
-    slot_of_pair = torch.full((n * k,), -1, dtype=torch.long, device=device)
-    sorted_valid = valid[order]
-    copy_of_pair[order] = torch.where(sorted_valid, rank_in_order, copy_of_pair[order])
-    slot_of_pair[order] = torch.where(sorted_valid, slot_sorted, slot_of_pair[order])
+    # Invert the copy numbering with a scatter; the unused tail points at a spare entry.
+    spare = n * k
+    target = torch.where(valid, copy_of_pair, torch.full_like(dest, spare)).view(-1)
+    token = torch.arange(n, device=device).repeat_interleave(k)
+    token_of_copy = torch.zeros(spare + 1, dtype=torch.long, device=device).scatter_(0, target, token)[:spare]
+    slot_of_copy = torch.zeros(spare + 1, dtype=torch.long, device=device)
+    slot_of_copy = slot_of_copy.scatter_(0, target, slot_of_pair.view(-1))[:spare]
     return SendPlan(
         dest_of_pair=dest,
-        copy_of_pair=copy_of_pair.view(n, k),
-        slot_of_pair=slot_of_pair.view(n, k),
-        token_of_copy=order // k,
-        slot_of_copy=slot_sorted,
+        copy_of_pair=copy_of_pair,
+        slot_of_pair=slot_of_pair,
+        token_of_copy=token_of_copy,
+        slot_of_copy=slot_of_copy,
         send_counts=send_counts,
-        num_copies=num_copies,
+        num_copies=send_counts.sum(),
     )
 
 

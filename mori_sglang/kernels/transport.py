@@ -69,20 +69,29 @@ def _source_of_row(counts, j, WP: tl.constexpr):
 
 
 @triton.jit
+def _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES: tl.constexpr, K: tl.constexpr):
+    """Byte address of the row that copy (token n, top-k slot k) lands in; -1 slots give address 0."""
+    slot = tl.load(slot_of_pair_ptr + n * K + k)
+    dst_rank = tl.maximum(slot, 0) // max_tokens
+    pos = tl.maximum(slot, 0) - dst_rank * max_tokens
+    base = tl.load(peer_bases + dst_rank)
+    return slot >= 0, base + (rank * max_tokens + pos) * ROW_BYTES
+
+
+@triton.jit
 def dispatch_send_kernel(
     peer_bases,
-    payload_ptr,
+    x_ptr,
     scales_ptr,
     weights_ptr,
     ids_ptr,
-    token_of_copy_ptr,
-    slot_of_copy_ptr,
-    num_copies_ptr,
+    slot_of_pair_ptr,
     send_counts_ptr,
+    num_tokens,
     rank,
     max_tokens,
     counts_offset,
-    ROW_WORDS: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     STRIDE_WORDS: tl.constexpr,
@@ -94,27 +103,63 @@ def dispatch_send_kernel(
     W: tl.constexpr,
     BLOCK: tl.constexpr,
     PROGRAMS: tl.constexpr,
+    QUANT_FP8: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    GROUP: tl.constexpr,
+    TILE_GROUPS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    """Write each copy's packed row (token | zero-padded scale row | weights | ids) into its slot."""
+    """Read each token once and write its packed row (token | zero-padded scale row | weights | ids)
+    into the slot of every distinct destination rank. With QUANT_FP8 the bf16 token is quantized on
+    the way (per-128 f32 scales, as formats.quantize_dispatch); otherwise its payload words are copied."""
     pid = tl.program_id(0)
-    num_copies = tl.load(num_copies_ptr)
+    offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    for c in range(pid, num_copies, PROGRAMS):
-        token = tl.load(token_of_copy_ptr + c)
-        slot = tl.load(slot_of_copy_ptr + c)
-        dst_rank = slot // max_tokens
-        pos = slot - dst_rank * max_tokens
-        base = tl.load(peer_bases + dst_rank)
-        row = base.to(tl.pointer_type(tl.int32)) + (rank * max_tokens + pos).to(tl.int64) * ROW_WORDS
-        _copy_words(row, payload_ptr + token * TOKEN_WORDS, TOKEN_WORDS, BLOCK)
-        if STRIDE_WORDS > 0:
-            for start in range(0, STRIDE_WORDS, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                value = tl.load(scales_ptr + token * SCALE_WORDS + offs, mask=offs < SCALE_WORDS, other=0)
-                tl.store(row + SCALE_AT + offs, value, mask=offs < STRIDE_WORDS)
-        tl.store(row + WEIGHTS_AT + k_offs, tl.load(weights_ptr + token * K + k_offs, mask=k_mask), mask=k_mask)
-        tl.store(row + IDS_AT + k_offs, tl.load(ids_ptr + token * K + k_offs, mask=k_mask), mask=k_mask)
+    for n in range(pid, num_tokens, PROGRAMS):
+        if QUANT_FP8:
+            NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
+            cols = tl.arange(0, GROUP)
+            for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
+                groups = g0 + tl.arange(0, TILE_GROUPS)
+                in_range = groups < NUM_GROUPS
+                elem = groups[:, None] * GROUP + cols[None, :]
+                x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range[:, None], other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+                scale = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+                q = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+                q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+                for k in tl.static_range(K):
+                    present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
+                    if present:
+                        tl.store(row.to(tl.pointer_type(FP8)) + elem, q, mask=in_range[:, None])
+                        scales_row = (row + SCALE_AT * 4).to(tl.pointer_type(tl.float32))
+                        tl.store(scales_row + groups, scale, mask=in_range)
+        else:
+            for start in range(0, TOKEN_WORDS, BLOCK):
+                word = start + offs
+                value = tl.load(x_ptr + n * TOKEN_WORDS + word, mask=word < TOKEN_WORDS)
+                for k in tl.static_range(K):
+                    present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
+                    if present:
+                        tl.store(row.to(tl.pointer_type(tl.int32)) + word, value, mask=word < TOKEN_WORDS)
+        first_pad = SCALE_WORDS if QUANT_FP8 else 0
+        for start in range(first_pad, STRIDE_WORDS, BLOCK):
+            word = start + offs
+            value = tl.load(scales_ptr + n * SCALE_WORDS + word, mask=word < SCALE_WORDS, other=0)
+            for k in tl.static_range(K):
+                present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
+                if present:
+                    tl.store(row.to(tl.pointer_type(tl.int32)) + SCALE_AT + word, value, mask=word < STRIDE_WORDS)
+        weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask)
+        ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
+        for k in tl.static_range(K):
+            present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
+            if present:
+                words = row.to(tl.pointer_type(tl.int32))
+                tl.store(words + WEIGHTS_AT + k_offs, weights, mask=k_mask)
+                tl.store(words + IDS_AT + k_offs, ids, mask=k_mask)
     if pid == 0:
         for dst in range(W):
             base = tl.load(peer_bases + dst)

@@ -37,6 +37,7 @@ class TorchProvider:
     """Dispatch/combine for one rank over an Exchange (a ProcessGroup or a loopback world)."""
 
     name = "torch"
+    fused_quantization: frozenset = frozenset()
 
     def __init__(self, config: EpConfig, exchange: Exchange, device: torch.device, fp8_dtype: torch.dtype):
         self.config = config

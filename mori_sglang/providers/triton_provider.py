@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, EpConfig
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import transport
 from mori_sglang.providers.arena import Arena, ArenaLayout
@@ -46,6 +46,7 @@ def _words(nbytes: int) -> int:
 
 class TritonProvider:
     name = "triton"
+    fused_quantization = frozenset({DispatchDtype.FP8})
 
     def __init__(
         self,
@@ -139,28 +140,30 @@ class TritonProvider:
         weights: torch.Tensor,
         ids: torch.Tensor,
         layout: formats.DispatchRowLayout,
+        quantize: bool = False,
     ) -> None:
+        """Send each token's row to its destinations; ``quantize``: ``payload`` is bf16, quantize it
+        to fp8 on the way (the only format this kernel fuses; see ``fused_quantization``)."""
         self._ensure_peers()
         cfg = self.config
         plan = plan_dispatch(ids, cfg.num_local_experts, cfg.world_size, cfg.max_tokens_per_rank)
         self._slot_of_pair = plan.slot_of_pair.contiguous()
         self._num_tokens = payload.shape[0]
-        payload_words = payload.contiguous().view(torch.uint8).view(torch.int32)
-        scale_words = scales.contiguous().view(torch.int32) if scales is not None else payload_words
+        x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
+        scale_words = scales.contiguous().view(torch.int32) if scales is not None else x
         transport.dispatch_send_kernel[(self.programs,)](
             self.arena.peer_bases,
-            payload_words,
+            x,
             scale_words,
             weights.float().contiguous().view(torch.int32),
             ids.int().contiguous(),
-            plan.token_of_copy.contiguous(),
-            plan.slot_of_copy.contiguous(),
-            plan.num_copies,
+            self._slot_of_pair,
             plan.send_counts,
+            self._num_tokens,
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.counts_offset,
-            ROW_WORDS=_words(layout.row_bytes),
+            ROW_BYTES=layout.row_bytes,
             TOKEN_WORDS=_words(layout.token_bytes),
             SCALE_WORDS=_words(layout.scale_bytes),
             STRIDE_WORDS=_words(layout.scale_stride),
@@ -172,6 +175,13 @@ class TritonProvider:
             W=cfg.world_size,
             BLOCK=COPY_BLOCK,
             PROGRAMS=self.programs,
+            QUANT_FP8=quantize,
+            HIDDEN=cfg.hidden,
+            GROUP=formats.DISPATCH_FP8_GROUP,
+            TILE_GROUPS=4,
+            FP8_MAX=formats.fp8_max(self.fp8_dtype),
+            FP8=self.fp8_name,
+            enable_fp_fusion=False,
         )
         self._signal(self.arena_layout.dispatch_arrivals_offset)
 

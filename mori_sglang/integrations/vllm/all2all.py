@@ -1,0 +1,113 @@
+"""vLLM's all2all manager for the two MoRI backend names, backed by mori-sglang ops.
+
+vLLM's EP group builds ``MoriAll2AllManager(cpu_group, backend_name)``; ``maybe_make_prepare_finalize``
+then asks it for one handle per MoE layer shape through ``get_handle`` with native MoRI's keywords. We
+map those keywords, and the ``SGLANG_MORI_*`` environment with the SGLang plugin's meaning, to an
+``EpConfig`` and keep one op per config in vLLM's handle cache, as native MoRI does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
+from vllm.distributed.parallel_state import get_ep_group
+
+from mori_sglang.config import EpConfig
+from mori_sglang.op import EpDispatchCombineOp
+
+HIGH_THROUGHPUT = "mori_high_throughput"
+LOW_LATENCY = "mori_low_latency"
+BACKENDS = (HIGH_THROUGHPUT, LOW_LATENCY)
+FP8_GROUP = 128  # elements per scale of block-quantized fp8 activations: our fp8 wire format
+
+
+def wire_weight_dtype(quant_dtype: torch.dtype | str, scale_dim: int, hidden: int) -> torch.dtype | None:
+    """The weight dtype SGLang's ``auto`` dtype rule should see for the dispatch vLLM asked MoRI for.
+
+    vLLM asks for packed fp4 (MXFP4 experts), fp8 with a scale per 128 elements (block-quantized
+    experts), one scale per token (per-token or per-tensor fp8, mxfp8: ``quant_dtype`` may be a string)
+    or unquantized tokens. Only the first two are wire formats of ours; the others travel as bf16 and
+    vLLM's quantizer runs on arrival, so no token is quantized twice.
+    """
+    if quant_dtype == torch.float4_e2m1fn_x2:
+        return quant_dtype
+    if quant_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and scale_dim * FP8_GROUP == hidden:
+        return quant_dtype
+    return None
+
+
+def ep_config_from_vllm(backend: str, kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> EpConfig:
+    """The op config of one MoE layer from the keywords vLLM passes native MoRI's ``get_handle``.
+
+    vLLM fixes the shape and the capacity: ``max_num_tokens_per_dp_rank`` is its
+    ``--max-num-batched-tokens``, the most tokens a rank ever hands one layer, so
+    ``SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK`` does not apply. The other ``SGLANG_MORI_*``
+    variables pick wire dtypes, provider, fp8 flavour and split mode as in SGLang;
+    ``mori_low_latency`` is SGLang's low-latency mode.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"all2all backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    world_size = kwargs["num_ep_ranks"]
+    hidden = kwargs["token_hidden_size"]
+    return EpConfig.from_env(
+        world_size=world_size,
+        rank=kwargs["rank"],
+        hidden=hidden,
+        num_experts=kwargs["num_local_experts"] * world_size,
+        topk=kwargs["num_experts_per_token"],
+        weight_dtype=wire_weight_dtype(kwargs["quant_dtype"], kwargs["scale_dim"], hidden),
+        low_latency=backend == LOW_LATENCY,
+        environ=environ,
+        max_tokens_per_rank=kwargs["max_num_tokens_per_dp_rank"],
+    )
+
+
+def _current_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class MoriSglangAll2AllManager(All2AllManagerBase):
+    """vLLM's ``All2AllManagerBase`` for the MoRI names; ``get_handle`` returns an ``EpDispatchCombineOp``.
+
+    Layers of one shape share an op (vLLM's ``Cache`` keeps it while a prepare/finalize holds it).
+    """
+
+    def __init__(self, cpu_group: dist.ProcessGroup, all2all_backend: str) -> None:
+        if all2all_backend not in BACKENDS:
+            raise ValueError(f"all2all backend {all2all_backend!r} is not one of {', '.join(BACKENDS)}")
+        super().__init__(cpu_group)
+        self.all2all_backend = all2all_backend
+        self.handle_cache = Cache()
+
+    def get_handle(self, kwargs: dict[str, Any]) -> EpDispatchCombineOp:
+        config = ep_config_from_vllm(self.all2all_backend, kwargs)
+        return self.handle_cache.get_or_create({"config": config}, self._make_op)
+
+    def _make_op(self, config: EpConfig) -> EpDispatchCombineOp:
+        device = _current_device()
+        return EpDispatchCombineOp(config, group=self._group_for(device), device=device)
+
+    def _group_for(self, device: torch.device) -> dist.ProcessGroup:
+        """CPU tensors travel over the manager's gloo group; GPU tensors need the EP group's device group.
+
+        vLLM hands the manager only the cpu group, and builds it while the EP group is still being
+        made, so the device group is looked up when the first op is, by then the EP group exists.
+        """
+        if device.type == "cpu":
+            return self.cpu_group
+        ep = get_ep_group()
+        if ep.cpu_group is not self.cpu_group:
+            raise RuntimeError(
+                "mori-sglang's all2all manager only serves vLLM's expert-parallel group; "
+                "this manager was built for another group"
+            )
+        return ep.device_group
+
+    def destroy(self) -> None:
+        self.handle_cache = Cache()
