@@ -128,7 +128,9 @@ def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtyp
         # Divide by a tensor, never a Python scalar: torch turns a scalar divisor into a multiply by its
         # reciprocal on GPUs (not on CPUs), which rounds differently from the kernels' true division.
         scales = torch.where(amax > 0, amax / torch.full_like(amax, limit), torch.ones_like(amax))
-        q = saturating_fp8_cast(xf / scales[:, :, None], fp8_dtype)
+        safe_amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+        inv = torch.where(amax > 0, torch.full_like(amax, limit) / safe_amax, torch.ones_like(amax))
+        q = saturating_fp8_cast(xf * inv[:, :, None], fp8_dtype)
     else:
         scaled = amax > limit
         scales = torch.where(scaled, amax * (1.0 / limit), torch.ones_like(amax))
@@ -227,7 +229,8 @@ def quantize_dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """bf16 tokens ``[N, hidden]`` -> (payload, scale row) of the dispatch format.
 
-    fp8: DeepSeek's per-token-group quant (scale = max(amax, 1e-10) / fp8_max, f32);
+    fp8: DeepSeek's per-token-group quant (scale = max(amax, 1e-10) / fp8_max, f32; q = x * (fp8_max / amax),
+    one division per group, as the kernels do);
     mxfp8 / fp4: OCP MX (shared exponent floor(log2 amax) - emax, e8m0 byte, saturating cast).
     """
     n, hidden = x.shape
@@ -239,7 +242,8 @@ def quantize_dispatch(
         groups = xf.view(n, hidden // DISPATCH_FP8_GROUP, DISPATCH_FP8_GROUP)
         amax = groups.abs().amax(dim=2).clamp(min=1e-10)
         scales = amax / torch.full_like(amax, fp8_max(fp8_dtype))
-        q = saturating_fp8_cast(groups / scales[:, :, None], fp8_dtype).view(n, hidden)
+        inv = torch.full_like(amax, fp8_max(fp8_dtype)) / amax
+        q = saturating_fp8_cast(groups * inv[:, :, None], fp8_dtype).view(n, hidden)
         return q, scales
     groups = xf.view(n, hidden // MX_GROUP, MX_GROUP)
     amax = groups.abs().amax(dim=2)

@@ -128,7 +128,8 @@ def dispatch_send_kernel(
                 x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range[:, None], other=0.0).to(tl.float32)
                 amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
                 scale = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
-                q = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+                inv = tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+                q = x * inv[:, None]
                 q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
                 for k in tl.static_range(K):
                     present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
@@ -243,8 +244,11 @@ def _quantize_row(
         else:
             amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
             if FORMAT == 2:
-                scale = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
-                q = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+                nonzero = amax > 0
+                safe_amax = tl.where(nonzero, amax, 1.0)
+                scale = tl.where(nonzero, tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+                inv = tl.where(nonzero, tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe_amax), 1.0)
+                q = x * inv[:, None]
             else:
                 scaled = amax > FP8_MAX
                 scale = tl.where(scaled, amax * (1.0 / FP8_MAX), 1.0)
@@ -323,7 +327,7 @@ def combine_recv_kernel(
             elem = blocks[:, None] * BLOCK + cols[None, :]
             mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
             acc = tl.zeros((TILE_BLOCKS, BLOCK_P2), dtype=tl.float32)
-            for k in range(K):
+            for k in tl.static_range(K):
                 slot = tl.load(slot_of_pair_ptr + n * K + k)
                 present = slot >= 0
                 row = rows + tl.maximum(slot, 0) * ROW_STRIDE
