@@ -76,7 +76,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
         "4096",
-        "Buffer capacity: the most tokens one rank may dispatch in one call. A larger batch is an error.",
+        "Buffer capacity: the most tokens one rank may dispatch in one call. A larger batch is an error. "
+        "SGLang only: under vLLM, --max-num-batched-tokens sets it.",
         kind="int",
     ),
     EnvVar(

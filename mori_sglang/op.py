@@ -130,6 +130,12 @@ class EpDispatchCombineOp:
             top = int(ids.max())
             if top >= cfg.num_experts:
                 raise InputError(f"topk_ids holds expert {top}; valid ids are [0, {cfg.num_experts}) or < 0 to drop")
+        accepted = {torch.bfloat16, self.payload_dtype}
+        if cfg.dispatch_dtype is DispatchDtype.MXFP4:
+            accepted.add(torch.float4_e2m1fn_x2)
+        if x.dtype not in accepted:
+            names = ", ".join(sorted(str(d) for d in accepted))
+            raise InputError(f"{cfg.dispatch_dtype.value} dispatch takes tokens of {names}; got {x.dtype}")
         quantized_input = x.dtype != torch.bfloat16 or cfg.dispatch_dtype is DispatchDtype.BF16
         if x.dtype == torch.bfloat16 and x.shape[1] != cfg.hidden:
             raise InputError(f"tokens have hidden {x.shape[1]}, the op was built for hidden={cfg.hidden}")
