@@ -28,7 +28,6 @@ SCALE_ROW_ALIGN = 128
 DISPATCH_FP8_GROUP = 128
 MX_GROUP = 32
 E8M0_BIAS = 127
-FP8_E4M3_EMAX = 8  # exponent of the largest normal e4m3 power of two (256)
 FP4_E2M1_EMAX = 2  # exponent of the largest e2m1 power of two (4)
 FP4_E2M1_MAX = 6.0
 # Non-negative e2m1 values by code 0..7.
@@ -214,7 +213,7 @@ def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     tie = (mag[..., None] == mids).any(-1)
     lower_odd = (code % 2) == 1
     code = torch.where(tie & lower_odd, code + 1, code)
-    sign = (v < 0) & (code > 0)
+    sign = torch.signbit(v)  # -0 keeps its sign, as the fp8 casts do
     return (code + sign.to(code.dtype) * 8).to(torch.uint8)
 
 
@@ -247,7 +246,8 @@ def quantize_dispatch(
         return q, scales
     groups = xf.view(n, hidden // MX_GROUP, MX_GROUP)
     amax = groups.abs().amax(dim=2)
-    emax = FP8_E4M3_EMAX if dtype is DispatchDtype.MXFP8 else FP4_E2M1_EMAX
+    # The largest power of two of the element type: 256 for e4m3fn, 128 for e4m3fnuz, 4 for e2m1.
+    emax = math.floor(math.log2(fp8_max(fp8_dtype))) if dtype is DispatchDtype.MXFP8 else FP4_E2M1_EMAX
     exp = _e8m0_exponent(amax, emax)
     scaled = groups / _e8m0_scale(exp)[:, :, None]
     scale_bytes = (exp + E8M0_BIAS).to(torch.uint8)

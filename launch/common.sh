@@ -1,0 +1,220 @@
+# Shared argument parsing, input checks and launch for the recipes in this directory. Sourced by
+# them (it is not a command); each recipe sets RECIPE, ABOUT and its defaults (GPUS, PORT, MODE,
+# MODE_CHOICES, PROVIDER), calls prepare, adds its own variables, then launch_sglang / launch_vllm.
+#
+# Every recipe sets the whole SGLANG_MORI_* recipe explicitly, so a variable left in the caller's
+# environment cannot silently change a run, and it prints (--dry-run) or runs exactly one command.
+
+PYTHON=${PYTHON:-python3}
+COMBINE_CHOICES=(bf16 fp8 fp8_direct_cast)
+DISPATCH_CHOICES=(auto bf16 fp8 mxfp8 fp4)
+PROVIDER_CHOICES=(auto mori triton torch)
+MODEL=""
+COMBINE_DTYPE=${SGLANG_MORI_COMBINE_DTYPE:-bf16}
+DISPATCH_DTYPE=auto
+MAX_DISPATCH_TOKENS=4096
+HOST=127.0.0.1
+SEED=1
+DRY_RUN=0
+EXTRA_ARGS=()
+EXPORTED=()
+
+die() {
+    printf 'error: %s\n' "$*" >&2
+    exit 1
+}
+
+usage_error() {
+    printf 'error: %s\n\n' "$*" >&2
+    usage >&2
+    exit 2
+}
+
+usage() {
+    cat <<USAGE
+Usage: $0 --model PATH [--combine-dtype DTYPE] [options] [-- SERVER_ARGS...]
+
+$ABOUT
+
+Options:
+  --model PATH              local Hugging Face model directory (required; must hold config.json)
+  --combine-dtype DTYPE     ${COMBINE_CHOICES[*]} (default: \$SGLANG_MORI_COMBINE_DTYPE, else bf16)
+  --dispatch-dtype DTYPE    ${DISPATCH_CHOICES[*]} (default: $DISPATCH_DTYPE)
+  --provider NAME           ${PROVIDER_CHOICES[*]}: SGLANG_MORI_BACKEND (default: $PROVIDER)
+  --mode MODE               ${MODE_CHOICES[*]} (default: $MODE)
+  --gpus N                  GPUs = EP size = DP size (default: $GPUS)
+  --max-dispatch-tokens N   SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK (default: $MAX_DISPATCH_TOKENS)
+  --host HOST               (default: $HOST)
+  --port PORT               (default: $PORT)
+  --seed N                  server random seed (default: $SEED)
+  --dry-run                 check the inputs, print the environment and the command, start nothing
+  -h, --help                this text
+  -- ARGS...                passed to the server unchanged
+Environment: PYTHON (default python3) is the interpreter that runs the server.
+USAGE
+}
+
+one_of() {  # one_of FLAG VALUE CHOICE...
+    local flag=$1 value=$2 choice
+    shift 2
+    for choice in "$@"; do
+        [[ $value == "$choice" ]] && return 0
+    done
+    usage_error "$flag '$value' is not accepted; use one of: $*"
+}
+
+positive_int() {  # positive_int FLAG VALUE
+    [[ $2 =~ ^[1-9][0-9]*$ ]] || usage_error "$1 '$2' is not a positive integer"
+}
+
+parse_args() {
+    while (($#)); do
+        case $1 in
+            -h | --help)
+                usage
+                exit 0
+                ;;
+            --dry-run)
+                DRY_RUN=1
+                shift
+                continue
+                ;;
+            --)
+                shift
+                EXTRA_ARGS=("$@")
+                break
+                ;;
+            --model | --combine-dtype | --dispatch-dtype | --provider | --mode | --gpus | --max-dispatch-tokens | \
+                --host | --port | --seed)
+                (($# >= 2)) && [[ $2 != --* ]] || usage_error "$1 needs a value"
+                ;;
+            *) usage_error "unknown argument '$1'" ;;
+        esac
+        case $1 in
+            --model) MODEL=$2 ;;
+            --combine-dtype) COMBINE_DTYPE=$2 ;;
+            --dispatch-dtype) DISPATCH_DTYPE=$2 ;;
+            --provider) PROVIDER=$2 ;;
+            --mode) MODE=$2 ;;
+            --gpus) GPUS=$2 ;;
+            --max-dispatch-tokens) MAX_DISPATCH_TOKENS=$2 ;;
+            --host) HOST=$2 ;;
+            --port) PORT=$2 ;;
+            --seed) SEED=$2 ;;
+        esac
+        shift 2
+    done
+    [[ -n $MODEL ]] || usage_error "--model is required"
+    one_of --combine-dtype "$COMBINE_DTYPE" "${COMBINE_CHOICES[@]}"
+    one_of --dispatch-dtype "$DISPATCH_DTYPE" "${DISPATCH_CHOICES[@]}"
+    one_of --provider "$PROVIDER" "${PROVIDER_CHOICES[@]}"
+    one_of --mode "$MODE" "${MODE_CHOICES[@]}"
+    positive_int --gpus "$GPUS"
+    positive_int --max-dispatch-tokens "$MAX_DISPATCH_TOKENS"
+    positive_int --port "$PORT"
+    [[ $SEED =~ ^[0-9]+$ ]] || usage_error "--seed '$SEED' is not a non-negative integer"
+}
+
+check_model_dir() {
+    [[ -e $MODEL ]] || die "model path '$MODEL' does not exist"
+    [[ -d $MODEL ]] || die "model path '$MODEL' is not a directory"
+    [[ -f $MODEL/config.json ]] ||
+        die "model path '$MODEL' has no config.json; point --model at a downloaded Hugging Face model directory"
+}
+
+# Sets GPU_VENDOR (nvidia|amd), GPU_COUNT and GPU_SOURCE (how they were counted). A visible-devices
+# variable narrows the count to the GPUs the server will actually see.
+detect_gpus() {
+    local listing pattern visible_var=CUDA_VISIBLE_DEVICES
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        GPU_VENDOR=nvidia GPU_SOURCE="nvidia-smi -L" pattern='^GPU [0-9]'
+        listing=$(nvidia-smi -L 2>&1) || die "nvidia-smi -L failed: $listing"
+    elif command -v amd-smi >/dev/null 2>&1; then
+        GPU_VENDOR=amd GPU_SOURCE="amd-smi list" pattern='^GPU: *[0-9]' visible_var=HIP_VISIBLE_DEVICES
+        listing=$(amd-smi list 2>&1) || die "amd-smi list failed: $listing"
+    elif command -v rocm-smi >/dev/null 2>&1; then
+        GPU_VENDOR=amd GPU_SOURCE="rocm-smi --showid --csv" pattern='^card[0-9]' visible_var=HIP_VISIBLE_DEVICES
+        listing=$(rocm-smi --showid --csv 2>&1) || die "rocm-smi failed: $listing"
+    else
+        die "no GPU tool found: none of nvidia-smi, amd-smi or rocm-smi is on PATH"
+    fi
+    GPU_COUNT=$(grep -c "$pattern" <<<"$listing" || true)
+    local visible=${!visible_var:-} ids
+    if [[ -n $visible ]]; then
+        IFS=, read -ra ids <<<"$visible"
+        if ((${#ids[@]} < GPU_COUNT)); then
+            GPU_COUNT=${#ids[@]}
+        fi
+        GPU_SOURCE+=", $visible_var=$visible"
+    fi
+}
+
+check_gpus() {  # check_gpus VENDOR(any|nvidia|amd)
+    detect_gpus
+    [[ $1 == any || $1 == "$GPU_VENDOR" ]] || die "this recipe is for $1 GPUs; found $GPU_VENDOR ($GPU_SOURCE)"
+    ((GPU_COUNT >= GPUS)) || die "this recipe needs $GPUS GPUs; found $GPU_COUNT ($GPU_SOURCE)"
+}
+
+export_env() {  # export_env NAME VALUE: export it and list it in the dry run
+    export "$1=$2"
+    EXPORTED+=("$1")
+}
+
+# The variables every recipe sets: the MoRI-backend knobs, and NVLink multicast off (multicast
+# objects fail on shared or virtualised GPUs, and nothing here needs them).
+export_mori_env() {  # export_mori_env SPLIT(0|1)
+    export_env NCCL_NVLS_ENABLE 0
+    export_env TORCH_SYMM_MEM_DISABLE_MULTICAST 1
+    export_env SGLANG_MORI_COMBINE_DTYPE "$COMBINE_DTYPE"
+    export_env SGLANG_MORI_DISPATCH_DTYPE "$DISPATCH_DTYPE"
+    export_env SGLANG_MORI_SPLIT_DISPATCH_COMBINE "$1"
+    export_env SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK "$MAX_DISPATCH_TOKENS"
+    export_env SGLANG_MORI_BACKEND "$PROVIDER"
+}
+
+# prepare VENDOR(any|nvidia|amd) SPLIT(0|1) ARGS...: parse the arguments, check the model and the
+# GPUs, and export the recipe's variables.
+prepare() {
+    local vendor=$1 split=$2
+    shift 2
+    parse_args "$@"
+    check_model_dir
+    check_gpus "$vendor"
+    export_mori_env "$split"
+}
+
+# launch FRAMEWORK_MODULE COMMAND...: print the recipe (dry run), or check that the interpreter has
+# the framework and mori_sglang, show the effective mori-sglang settings and exec the server.
+launch() {
+    local module=$1 name line
+    shift
+    if ((DRY_RUN)); then
+        printf '# %s\n' "$RECIPE"
+        for name in "${EXPORTED[@]}"; do
+            printf 'export %s=%q\n' "$name" "${!name}"
+        done
+        printf -v line '%q ' "$@"
+        printf '%s\n' "${line% }"
+        exit 0
+    fi
+    for name in "$module" mori_sglang; do
+        "$PYTHON" -c "import $name" >/dev/null 2>&1 ||
+            die "'$PYTHON' cannot import $name; install it or set PYTHON to the interpreter that has it"
+    done
+    "$PYTHON" -m mori_sglang.env
+    exec "$@"
+}
+
+launch_sglang() {  # launch_sglang SERVER_ARGS...
+    launch sglang "$PYTHON" -m sglang.launch_server --model-path "$MODEL" --trust-remote-code \
+        --tp-size "$GPUS" --ep-size "$GPUS" --dp-size "$GPUS" --enable-dp-attention \
+        --moe-a2a-backend mori --deepep-mode "$MODE" "$@" \
+        --random-seed "$SEED" --host "$HOST" --port "$PORT" "${EXTRA_ARGS[@]}"
+}
+
+launch_vllm() {  # launch_vllm SERVER_ARGS...: vLLM's DP attention is TP 1 x DP N, EP over all of them
+    launch vllm "$PYTHON" -m vllm.entrypoints.cli.main serve "$MODEL" --trust-remote-code \
+        --tensor-parallel-size 1 --data-parallel-size "$GPUS" --enable-expert-parallel \
+        --all2all-backend "mori_$MODE" --max-num-batched-tokens "$MAX_DISPATCH_TOKENS" "$@" \
+        --seed "$SEED" --host "$HOST" --port "$PORT" "${EXTRA_ARGS[@]}"
+}
