@@ -317,7 +317,11 @@ def test_blockwise_keeps_small_blocks_that_direct_cast_flushes(flavour: str, see
         back = formats.dequantize_combine(formats.quantize_combine(y, dtype, fp8), dtype, 256, fp8)
         rel[dtype] = ((back - yf).abs() / yf.abs()).median().item()
         if dtype is CombineDtype.FP8_BLOCKWISE:
-            assert ((back - yf).abs() <= 2.0**-4 * yf.abs() * (1 + 2.0**-16)).all()
+            # Half an ulp of e4m3 (2^-4 relative), or half the subnormal step (at most 2^-10 of the
+            # block's scale) for the elements that land among the subnormals.
+            scale = yf.abs().view(4, 2, 128).amax(dim=2, keepdim=True) / formats.fp8_max(fp8)
+            bound = 2.0**-4 * yf.abs() + 2.0**-10 * scale.expand(4, 2, 128).reshape(4, 256)
+            assert ((back - yf).abs() <= bound * (1 + 2.0**-16)).all()
     assert rel[CombineDtype.FP8_BLOCKWISE] < 0.04
     assert rel[CombineDtype.FP8_BLOCKWISE_NATIVE] > 0.2 and rel[CombineDtype.FP8_DIRECT_CAST] > 0.2
 
