@@ -69,13 +69,45 @@ def _source_of_row(counts, j, WP: tl.constexpr):
 
 
 @triton.jit
-def _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES: tl.constexpr, K: tl.constexpr):
-    """Byte address of the row that copy (token n, top-k slot k) lands in; -1 slots give address 0."""
-    slot = tl.load(slot_of_pair_ptr + n * K + k)
-    dst_rank = tl.maximum(slot, 0) // max_tokens
-    pos = tl.maximum(slot, 0) - dst_rank * max_tokens
-    base = tl.load(peer_bases + dst_rank)
-    return slot >= 0, base + (rank * max_tokens + pos) * ROW_BYTES
+def route_kernel(
+    ids_ptr,
+    slot_of_pair_ptr,
+    send_counts_ptr,
+    num_tokens,
+    num_local_experts,
+    max_tokens,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program d finds the tokens that go to rank d and numbers them in token order.
+
+    A token goes to d once, through its first top-k slot whose expert lives on d (the owner);
+    ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
+    that point at d; program 0 also writes -1 for dropped slots (id < 0). Same result as
+    routing.plan_dispatch, in one launch.
+    """
+    d = tl.program_id(0)
+    k_offs = tl.arange(0, KP)
+    n_offs = tl.arange(0, BLOCK_N)
+    running = tl.zeros((), dtype=tl.int64)
+    for n0 in range(0, num_tokens, BLOCK_N):
+        rows = n0 + n_offs
+        mask = (rows < num_tokens)[:, None] & (k_offs < K)[None, :]
+        ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1)
+        dest = tl.where(ids >= 0, ids // num_local_experts, -1)
+        here = (dest == d) & mask
+        first = tl.min(tl.where(here, k_offs[None, :], KP), axis=1)
+        goes = (first < KP).to(tl.int64)
+        position = running + tl.cumsum(goes, 0) - goes
+        owner = here & (k_offs[None, :] == first[:, None])
+        slot = tl.where(owner, d * max_tokens + position[:, None], -1)
+        out = slot_of_pair_ptr + rows[:, None] * K + k_offs[None, :]
+        tl.store(out, slot, mask=here)
+        if d == 0:
+            tl.store(out, tl.full(slot.shape, -1, tl.int64), mask=mask & (dest < 0))
+        running += tl.sum(goes, 0)
+    tl.store(send_counts_ptr + d, running)
 
 
 @triton.jit
@@ -111,56 +143,60 @@ def dispatch_send_kernel(
     FP8: tl.constexpr,
 ):
     """Read each token once and write its packed row (token | zero-padded scale row | weights | ids)
-    into the slot of every distinct destination rank. With QUANT_FP8 the bf16 token is quantized on
-    the way (per-128 f32 scales, as formats.quantize_dispatch); otherwise its payload words are copied."""
+    into the slot of every distinct destination rank, all destinations in one store per tile. With
+    QUANT_FP8 the bf16 token is quantized on the way (per-128 f32 scales, as
+    formats.quantize_dispatch); otherwise its payload words are copied."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
     for n in range(pid, num_tokens, PROGRAMS):
+        slots = tl.load(slot_of_pair_ptr + n * K + k_offs, mask=k_mask, other=-1)
+        present = slots >= 0
+        safe = tl.maximum(slots, 0)
+        dst_rank = safe // max_tokens
+        bases = tl.load(peer_bases + dst_rank, mask=present, other=0)
+        rows = bases + (rank * max_tokens + safe - dst_rank * max_tokens) * ROW_BYTES  # [KP] byte addresses
         if QUANT_FP8:
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
-            cols = tl.arange(0, GROUP)
+            TILE: tl.constexpr = TILE_GROUPS * GROUP
             for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
-                groups = g0 + tl.arange(0, TILE_GROUPS)
-                in_range = groups < NUM_GROUPS
-                elem = groups[:, None] * GROUP + cols[None, :]
-                x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range[:, None], other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+                elem = g0 * GROUP + tl.arange(0, TILE)
+                in_range = elem < HIDDEN
+                x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range, other=0.0).to(tl.float32)
+                x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
+                amax = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10)
                 scale = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
                 inv = tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
-                q = x * inv[:, None]
-                q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
-                for k in tl.static_range(K):
-                    present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
-                    if present:
-                        tl.store(row.to(tl.pointer_type(FP8)) + elem, q, mask=in_range[:, None])
-                        scales_row = (row + SCALE_AT * 4).to(tl.pointer_type(tl.float32))
-                        tl.store(scales_row + groups, scale, mask=in_range)
+                q2 = tl.clamp(x2 * inv[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+                q = tl.reshape(q2, (TILE,))
+                ptrs = (rows[:, None] + elem[None, :]).to(tl.pointer_type(FP8))
+                tl.store(ptrs, tl.broadcast_to(q[None, :], (KP, TILE)), mask=present[:, None] & in_range[None, :])
+                groups = g0 + tl.arange(0, TILE_GROUPS)
+                scale_ptrs = (rows[:, None] + SCALE_AT * 4 + groups[None, :] * 4).to(tl.pointer_type(tl.float32))
+                scale_mask = present[:, None] & (groups < NUM_GROUPS)[None, :]
+                tl.store(scale_ptrs, tl.broadcast_to(scale[None, :], (KP, TILE_GROUPS)), mask=scale_mask)
         else:
             for start in range(0, TOKEN_WORDS, BLOCK):
                 word = start + offs
                 value = tl.load(x_ptr + n * TOKEN_WORDS + word, mask=word < TOKEN_WORDS)
-                for k in tl.static_range(K):
-                    present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
-                    if present:
-                        tl.store(row.to(tl.pointer_type(tl.int32)) + word, value, mask=word < TOKEN_WORDS)
+                ptrs = (rows[:, None] + word[None, :] * 4).to(tl.pointer_type(tl.int32))
+                mask = present[:, None] & (word < TOKEN_WORDS)[None, :]
+                tl.store(ptrs, tl.broadcast_to(value[None, :], (KP, BLOCK)), mask=mask)
         first_pad = SCALE_WORDS if QUANT_FP8 else 0
         for start in range(first_pad, STRIDE_WORDS, BLOCK):
             word = start + offs
             value = tl.load(scales_ptr + n * SCALE_WORDS + word, mask=word < SCALE_WORDS, other=0)
-            for k in tl.static_range(K):
-                present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
-                if present:
-                    tl.store(row.to(tl.pointer_type(tl.int32)) + SCALE_AT + word, value, mask=word < STRIDE_WORDS)
+            ptrs = (rows[:, None] + (SCALE_AT + word[None, :]) * 4).to(tl.pointer_type(tl.int32))
+            mask = present[:, None] & (word < STRIDE_WORDS)[None, :]
+            tl.store(ptrs, tl.broadcast_to(value[None, :], (KP, BLOCK)), mask=mask)
+        meta_mask = present[:, None] & k_mask[None, :]
         weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask)
         ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
-        for k in tl.static_range(K):
-            present, row = _slot_row(peer_bases, slot_of_pair_ptr, n, k, rank, max_tokens, ROW_BYTES, K)
-            if present:
-                words = row.to(tl.pointer_type(tl.int32))
-                tl.store(words + WEIGHTS_AT + k_offs, weights, mask=k_mask)
-                tl.store(words + IDS_AT + k_offs, ids, mask=k_mask)
+        weight_ptrs = (rows[:, None] + (WEIGHTS_AT + k_offs[None, :]) * 4).to(tl.pointer_type(tl.int32))
+        tl.store(weight_ptrs, tl.broadcast_to(weights[None, :], (KP, KP)), mask=meta_mask)
+        id_ptrs = (rows[:, None] + (IDS_AT + k_offs[None, :]) * 4).to(tl.pointer_type(tl.int32))
+        tl.store(id_ptrs, tl.broadcast_to(ids[None, :], (KP, KP)), mask=meta_mask)
     if pid == 0:
         for dst in range(W):
             base = tl.load(peer_bases + dst)

@@ -20,7 +20,6 @@ from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import transport
 from mori_sglang.providers.arena import Arena, ArenaLayout
-from mori_sglang.routing import plan_dispatch
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 COMBINE_FORMAT = {
@@ -31,6 +30,9 @@ COMBINE_FORMAT = {
 }
 TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 COPY_BLOCK = 1024
+# Elements per store in the dispatch send: the tile is written to every destination at once.
+SEND_BLOCK = 256
+ROUTE_BLOCK = 256
 # Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
 DEFAULT_MAX_SPINS = 1 << 26
 
@@ -90,6 +92,7 @@ class TritonProvider:
         self.ids_out = torch.empty(capacity, config.topk, dtype=torch.int32, device=device)
         self.num_recv = torch.zeros(1, dtype=torch.int32, device=device)
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
+        self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self._slot_of_pair: torch.Tensor | None = None
         self._num_tokens = 0
         self._combine_handle: CombineHandle | None = None
@@ -146,9 +149,20 @@ class TritonProvider:
         to fp8 on the way (the only format this kernel fuses; see ``fused_quantization``)."""
         self._ensure_peers()
         cfg = self.config
-        plan = plan_dispatch(ids, cfg.num_local_experts, cfg.world_size, cfg.max_tokens_per_rank)
-        self._slot_of_pair = plan.slot_of_pair.contiguous()
         self._num_tokens = payload.shape[0]
+        ids = ids.int().contiguous()
+        self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
+        transport.route_kernel[(cfg.world_size,)](
+            ids,
+            self._slot_of_pair,
+            self.send_counts,
+            self._num_tokens,
+            cfg.num_local_experts,
+            cfg.max_tokens_per_rank,
+            K=cfg.topk,
+            KP=triton.next_power_of_2(cfg.topk),
+            BLOCK_N=ROUTE_BLOCK,
+        )
         x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
         scale_words = scales.contiguous().view(torch.int32) if scales is not None else x
         transport.dispatch_send_kernel[(self.programs,)](
@@ -156,9 +170,9 @@ class TritonProvider:
             x,
             scale_words,
             weights.float().contiguous().view(torch.int32),
-            ids.int().contiguous(),
+            ids,
             self._slot_of_pair,
-            plan.send_counts,
+            self.send_counts,
             self._num_tokens,
             cfg.rank,
             cfg.max_tokens_per_rank,
@@ -173,12 +187,12 @@ class TritonProvider:
             K=cfg.topk,
             KP=triton.next_power_of_2(cfg.topk),
             W=cfg.world_size,
-            BLOCK=COPY_BLOCK,
+            BLOCK=SEND_BLOCK,
             PROGRAMS=self.programs,
             QUANT_FP8=quantize,
             HIDDEN=cfg.hidden,
             GROUP=formats.DISPATCH_FP8_GROUP,
-            TILE_GROUPS=4,
+            TILE_GROUPS=SEND_BLOCK // formats.DISPATCH_FP8_GROUP,
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
             enable_fp_fusion=False,
