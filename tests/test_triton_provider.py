@@ -121,9 +121,11 @@ COMBINES = [
 @pytest.mark.parametrize("mode", list(Mode))
 @pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("dispatch", [DispatchDtype.BF16, DispatchDtype.FP8, DispatchDtype.MXFP4])
-def test_bit_identical_to_torch_provider(mode: Mode, combine: CombineDtype, dispatch: DispatchDtype) -> None:
-    seed = random.randrange(1 << 30)
-    counts = [random.randint(0, MAX_TOKENS) for _ in range(WORLD)]
+def test_bit_identical_to_torch_provider(
+    mode: Mode, combine: CombineDtype, dispatch: DispatchDtype, rng: random.Random
+) -> None:
+    seed = rng.randrange(1 << 30)
+    counts = [rng.randint(0, MAX_TOKENS) for _ in range(WORLD)]
     counts[seed % WORLD] = 0  # a rank with no tokens
     runs = {}
     for provider in ("torch", "triton"):
@@ -146,7 +148,7 @@ def test_bit_identical_to_torch_provider(mode: Mode, combine: CombineDtype, disp
     _check_combine_wire(world, got[0], got[1], got[2], got[4])
 
 
-def test_rounds_reuse_buffers_without_reset() -> None:
+def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:
     """Epoch counters: many rounds with random token counts (0 included) stay identical to torch."""
     rounds = 12 if ON_GPU else 4
     worlds = {
@@ -168,8 +170,8 @@ def test_rounds_reuse_buffers_without_reset() -> None:
     }
     cfg = worlds["torch"].ops[0].config
     for _ in range(rounds):
-        seed = random.randrange(1 << 30)
-        counts = [random.choice([0, 1, MAX_TOKENS, random.randint(0, MAX_TOKENS)]) for _ in range(WORLD)]
+        seed = rng.randrange(1 << 30)
+        counts = [rng.choice([0, 1, MAX_TOKENS, rng.randint(0, MAX_TOKENS)]) for _ in range(WORLD)]
         inputs = _inputs(cfg, counts, seed)
         _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
 

@@ -8,7 +8,6 @@ still exercises the symmetric allocation, the peer-pointer table and the signal/
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -86,10 +85,10 @@ def _worker(rank: int, world: int, init_file: str, seed: int, errors) -> None:
         raise
 
 
-def test_symmetric_memory_matches_nccl_reference(tmp_path) -> None:
+def test_symmetric_memory_matches_nccl_reference(tmp_path, seed: int) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     world = torch.cuda.device_count()
     errors = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), random.randrange(1 << 30), errors), nprocs=world)
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), seed, errors), nprocs=world)
     assert errors.empty()
