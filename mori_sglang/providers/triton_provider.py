@@ -177,16 +177,9 @@ class TritonProvider:
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.counts_offset,
+            **self._row_meta(layout),
             ROW_BYTES=layout.row_bytes,
-            TOKEN_WORDS=_words(layout.token_bytes),
             SCALE_WORDS=_words(layout.scale_bytes),
-            STRIDE_WORDS=_words(layout.scale_stride),
-            SCALE_AT=_words(layout.scale_offset),
-            WEIGHTS_AT=_words(layout.weights_offset),
-            IDS_AT=_words(layout.ids_offset),
-            K=cfg.topk,
-            KP=triton.next_power_of_2(cfg.topk),
-            W=cfg.world_size,
             BLOCK=SEND_BLOCK,
             PROGRAMS=self.programs,
             QUANT_FP8=quantize,
@@ -198,6 +191,19 @@ class TritonProvider:
             enable_fp_fusion=False,
         )
         self._signal(self.arena_layout.dispatch_arrivals_offset)
+
+    def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
+        """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""
+        return {
+            "TOKEN_WORDS": _words(layout.token_bytes),
+            "STRIDE_WORDS": _words(layout.scale_stride),
+            "SCALE_AT": _words(layout.scale_offset),
+            "WEIGHTS_AT": _words(layout.weights_offset),
+            "IDS_AT": _words(layout.ids_offset),
+            "K": self.config.topk,
+            "KP": triton.next_power_of_2(self.config.topk),
+            "W": self.config.world_size,
+        }
 
     def _signal(self, arrivals_offset: int) -> None:
         transport.signal_kernel[(1,)](
@@ -229,15 +235,8 @@ class TritonProvider:
             self.recv_counts,
             cfg.max_tokens_per_rank,
             self.arena_layout.counts_offset,
+            **self._row_meta(layout),
             ROW_WORDS=_words(layout.row_bytes),
-            TOKEN_WORDS=_words(layout.token_bytes),
-            STRIDE_WORDS=_words(layout.scale_stride),
-            SCALE_AT=_words(layout.scale_offset),
-            WEIGHTS_AT=_words(layout.weights_offset),
-            IDS_AT=_words(layout.ids_offset),
-            K=cfg.topk,
-            KP=triton.next_power_of_2(cfg.topk),
-            W=cfg.world_size,
             WP=triton.next_power_of_2(cfg.world_size),
             BLOCK=COPY_BLOCK,
             PROGRAMS=self.programs,
