@@ -15,7 +15,7 @@ from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfi
 from mori_sglang.exchange import DistExchange, Exchange, LoopbackExchange, LoopbackHub
 from mori_sglang.providers import resolve_provider
 from mori_sglang.providers.torch_provider import TorchProvider
-from mori_sglang.types import CombineHandle, DispatchOutput
+from mori_sglang.types import CombineHandle, DispatchOutput, InputError
 
 SUPPORTED_COMBINE = (
     CombineDtype.BF16,
@@ -23,14 +23,6 @@ SUPPORTED_COMBINE = (
     CombineDtype.FP8_BLOCKWISE_NATIVE,
     CombineDtype.FP8_DIRECT_CAST,
 )
-
-
-class InputError(ValueError):
-    """A dispatch/combine input does not fit the op's configuration."""
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class EpDispatchCombineOp:
@@ -126,7 +118,7 @@ class EpDispatchCombineOp:
         for name, t in (("tokens", x), ("topk_weights", weights), ("topk_ids", ids)):
             if t.device != self.device:
                 raise InputError(f"{name} is on {t.device}, the op runs on {self.device}")
-        if n and not _capturing(self.device):
+        if n and not getattr(self.provider, "checks_ids_on_device", False):
             top = int(ids.max())
             if top >= cfg.num_experts:
                 raise InputError(f"topk_ids holds expert {top}; valid ids are [0, {cfg.num_experts}) or < 0 to drop")

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import torch
 
 
+class InputError(ValueError):
+    """A dispatch/combine input does not fit the op's configuration."""
+
+
 @dataclass
 class CombineHandle:
     """Routing state that lets combine bring each expert output back to its source token.

@@ -24,6 +24,7 @@ from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers.triton_provider import PeerTimeoutError
 from mori_sglang.routing import source_of_rows
+from mori_sglang.types import InputError
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -186,6 +187,18 @@ def test_stalled_peer_raises_timeout_naming_it() -> None:
     with pytest.raises(PeerTimeoutError, match="rank 1"):
         world.ops[0].dispatch_recv()
         world.ops[0].synchronize()
+
+
+def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:
+    """The routing kernel range-checks ids on the device; the op raises at its next status check."""
+    cfg = EpConfig(2, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="triton")
+    world = LoopbackWorld(cfg, DEVICE)
+    xs, weights, ids = _inputs(cfg, [3, 2], seed=11)
+    ids[1][1, 0] = EXPERTS + 5
+    with pytest.raises(InputError, match=f"expert {EXPERTS + 5}"):
+        world.dispatch(xs, weights, None, ids)
+        for op in world.ops:
+            op.synchronize()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graph capture needs a CUDA GPU")

@@ -73,7 +73,9 @@ def route_kernel(
     ids_ptr,
     slot_of_pair_ptr,
     send_counts_ptr,
+    status_ptr,
     num_tokens,
+    num_experts,
     num_local_experts,
     max_tokens,
     K: tl.constexpr,
@@ -86,6 +88,8 @@ def route_kernel(
     ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
     that point at d; program 0 also writes -1 for dropped slots (id < 0). Same result as
     routing.plan_dispatch, in one launch.
+       An id past the last expert is dropped too, and program 0 records ``id + 1`` in ``status[1]`` so
+    that the host raises without a synchronisation on the hot path.
     """
     d = tl.program_id(0)
     k_offs = tl.arange(0, KP)
@@ -95,7 +99,7 @@ def route_kernel(
         rows = n0 + n_offs
         mask = (rows < num_tokens)[:, None] & (k_offs < K)[None, :]
         ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1)
-        dest = tl.where(ids >= 0, ids // num_local_experts, -1)
+        dest = tl.where((ids >= 0) & (ids < num_experts), ids // num_local_experts, -1)
         here = (dest == d) & mask
         first = tl.min(tl.where(here, k_offs[None, :], KP), axis=1)
         goes = (first < KP).to(tl.int64)
@@ -106,6 +110,9 @@ def route_kernel(
         tl.store(out, slot, mask=here)
         if d == 0:
             tl.store(out, tl.full(slot.shape, -1, tl.int64), mask=mask & (dest < 0))
+            too_big = tl.max(tl.where(mask & (ids >= num_experts), ids + 1, 0))
+            if too_big > 0:
+                tl.atomic_max(status_ptr + 1, too_big)
         running += tl.sum(goes, 0)
     tl.store(send_counts_ptr + d, running)
 

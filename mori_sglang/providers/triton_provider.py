@@ -20,7 +20,7 @@ from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import transport
 from mori_sglang.providers.arena import Arena, ArenaLayout
-from mori_sglang.types import CombineHandle, DispatchOutput
+from mori_sglang.types import CombineHandle, DispatchOutput, InputError
 
 COMBINE_FORMAT = {
     CombineDtype.BF16: transport.COMBINE_BF16,
@@ -47,8 +47,11 @@ def _words(nbytes: int) -> int:
 
 
 class TritonProvider:
+    """Expert ids are range-checked by the routing kernel, on the device: no host sync per dispatch."""
+
     name = "triton"
     fused_quantization = frozenset({DispatchDtype.FP8})
+    checks_ids_on_device = True
 
     def __init__(
         self,
@@ -82,9 +85,10 @@ class TritonProvider:
             self._peers_ready = True
         capacity = config.max_recv_tokens
         self.seq = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch round, combine round
-        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
+        self.status = torch.zeros(2, dtype=torch.int32, device=device)
         if device.type == "cuda":
-            self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._status_host = torch.zeros(2, dtype=torch.int32, pin_memory=True)
             self._status_event = torch.cuda.Event()
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
         self.scales_out = torch.empty(capacity, _words(layout.scale_stride), dtype=torch.int32, device=device)
@@ -109,14 +113,20 @@ class TritonProvider:
             self._peers_ready = True
 
     def check_status(self) -> None:
-        """Raise if a receive gave up on a peer (reads one int from the device)."""
-        stalled = int(self.status.item())
-        if stalled:
-            self.status.zero_()
-            raise PeerTimeoutError(
-                f"rank {self.config.rank} waited {self.max_spins} polls for rank {stalled - 1}, which never "
-                "signalled; it is stalled, crashed or ran a different number of dispatch/combine calls"
+        """Raise if a receive gave up on a peer or a dispatch met an expert id out of range."""
+        stalled, bad_id = (int(v) for v in self.status.tolist())
+        if not (stalled or bad_id):
+            return
+        self.status.zero_()
+        if bad_id:
+            raise InputError(
+                f"topk_ids held expert {bad_id - 1}; valid ids are [0, {self.config.num_experts}) or < 0 to "
+                "drop (those copies were dropped)"
             )
+        raise PeerTimeoutError(
+            f"rank {self.config.rank} waited {self.max_spins} polls for rank {stalled - 1}, which never "
+            "signalled; it is stalled, crashed or ran a different number of dispatch/combine calls"
+        )
 
     def _after_receive(self) -> None:
         """Surface a stalled peer without a host sync: on GPUs the status is copied to pinned memory
@@ -131,7 +141,7 @@ class TritonProvider:
         self._status_event.record()
 
     def _raise_pending_timeout(self) -> None:
-        if self._status_event.query() and int(self._status_host[0]):
+        if self._status_event.query() and bool(self._status_host.any()):
             self.check_status()
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -156,7 +166,9 @@ class TritonProvider:
             ids,
             self._slot_of_pair,
             self.send_counts,
+            self.status,
             self._num_tokens,
+            cfg.num_experts,
             cfg.num_local_experts,
             cfg.max_tokens_per_rank,
             K=cfg.topk,
