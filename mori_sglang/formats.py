@@ -191,6 +191,13 @@ def dispatch_payload_dtype(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> torc
     return fp8_dtype
 
 
+def mx_emax(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> int:
+    """Exponent of the element type's largest power of two: 8 for e4m3fn, 7 for e4m3fnuz, 2 for e2m1."""
+    if dtype is DispatchDtype.MXFP4:
+        return FP4_E2M1_EMAX
+    return math.floor(math.log2(fp8_max(fp8_dtype)))
+
+
 def _e8m0_exponent(amax: torch.Tensor, emax: int) -> torch.Tensor:
     """OCP MX shared exponent: floor(log2(amax)) - emax, clamped to e8m0's range; amax 0 -> -127."""
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
@@ -246,8 +253,7 @@ def quantize_dispatch(
         return q, scales
     groups = xf.view(n, hidden // MX_GROUP, MX_GROUP)
     amax = groups.abs().amax(dim=2)
-    # The largest power of two of the element type: 256 for e4m3fn, 128 for e4m3fnuz, 4 for e2m1.
-    emax = math.floor(math.log2(fp8_max(fp8_dtype))) if dtype is DispatchDtype.MXFP8 else FP4_E2M1_EMAX
+    emax = mx_emax(dtype, fp8_dtype)
     exp = _e8m0_exponent(amax, emax)
     scaled = groups / _e8m0_scale(exp)[:, :, None]
     scale_bytes = (exp + E8M0_BIAS).to(torch.uint8)

@@ -121,7 +121,7 @@ COMBINES = [
 
 @pytest.mark.parametrize("mode", list(Mode))
 @pytest.mark.parametrize("combine", COMBINES)
-@pytest.mark.parametrize("dispatch", [DispatchDtype.BF16, DispatchDtype.FP8, DispatchDtype.MXFP4])
+@pytest.mark.parametrize("dispatch", list(DispatchDtype))
 def test_bit_identical_to_torch_provider(
     mode: Mode, combine: CombineDtype, dispatch: DispatchDtype, rng: random.Random
 ) -> None:
@@ -147,6 +147,24 @@ def test_bit_identical_to_torch_provider(
     world, got = runs["triton"]
     _assert_same(runs["torch"][1], got, world.ops[0].scale_bytes)
     _check_combine_wire(world, got[0], got[1], got[2], got[4])
+
+
+@pytest.mark.parametrize("dispatch", [DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4])
+def test_fused_dispatch_quantization_matches_the_reference_on_edge_values(dispatch: DispatchDtype) -> None:
+    """Ties of e2m1 and e4m3, negatives that round to zero, saturation, all-zero groups, tiny groups."""
+    edge = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1, 7.0, -2.5, 1.0625, 448.0, -0.0, 0.5, 3.0])
+    rows = [edge.repeat(HIDDEN // 16), torch.zeros(HIDDEN), edge.repeat(HIDDEN // 16) * 2.0**-100]
+    x = torch.stack(rows).to(torch.bfloat16).to(DEVICE)
+    cfg = EpConfig(
+        1, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, dispatch_dtype=dispatch, provider="triton"
+    )
+    world = LoopbackWorld(cfg, DEVICE)
+    ids = torch.arange(TOPK, dtype=torch.int32, device=DEVICE).repeat(3, 1)
+    out = world.dispatch([x], [torch.ones(3, TOPK, device=DEVICE)], None, [ids])[0]
+    payload, scales = formats.quantize_dispatch(x, dispatch, world.ops[0].fp8_dtype)
+    assert out.num_recv_host() == 3
+    assert torch.equal(out.tokens[:3].view(torch.uint8).cpu(), payload.view(torch.uint8).cpu())
+    assert torch.equal(out.recv_scales()[:3].cpu(), scales.contiguous().view(torch.uint8).view(3, -1).cpu())
 
 
 def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:

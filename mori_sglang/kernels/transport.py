@@ -68,6 +68,49 @@ def _source_of_row(counts, j, WP: tl.constexpr):
     return src, j - start
 
 
+QUANT_NONE = 0
+QUANT_FP8 = 1
+QUANT_MXFP8 = 2
+QUANT_MXFP4 = 3
+
+
+@triton.jit
+def _e8m0(amax, EMAX: tl.constexpr):
+    """OCP MX shared exponent floor(log2 amax) - EMAX, clamped to e8m0, and its power of two."""
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = tl.where(amax > 0, biased - 127 - EMAX, -127)
+    exponent = tl.minimum(tl.maximum(exponent, -127), 127)
+    # 2^-127 is an f32 subnormal: its bits are 1 << 22.
+    bits = tl.where(exponent >= -126, (exponent + 127) << 23, 1 << 22)
+    return exponent, bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(v):
+    """f32 -> e2m1 code (0..15): round to nearest even among 0, .5, 1, 1.5, 2, 3, 4, 6; saturate at 6."""
+    mag = tl.minimum(tl.abs(v), 6.0)
+    code = (
+        (mag > 0.25).to(tl.int32)
+        + (mag > 0.75).to(tl.int32)
+        + (mag > 1.25).to(tl.int32)
+        + (mag > 1.75).to(tl.int32)
+        + (mag > 2.5).to(tl.int32)
+        + (mag > 3.5).to(tl.int32)
+        + (mag > 5.0).to(tl.int32)
+    )
+    tie = (mag == 0.25) | (mag == 0.75) | (mag == 1.25) | (mag == 1.75) | (mag == 2.5) | (mag == 3.5) | (mag == 5.0)
+    code = tl.where(tie & ((code & 1) == 1), code + 1, code)
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign << 3)
+
+
+@triton.jit
+def _store_all(rows, offsets, values, mask, present, T: tl.constexpr, KP: tl.constexpr):
+    """Store one tile (flat byte offsets, values of the pointee type) into every present destination row."""
+    ptrs = (rows[:, None] + offsets[None, :]).to(tl.pointer_type(values.dtype))
+    tl.store(ptrs, tl.broadcast_to(values[None, :], (KP, T)), mask=present[:, None] & mask[None, :])
+
+
 @triton.jit
 def route_kernel(
     ids_ptr,
@@ -142,17 +185,19 @@ def dispatch_send_kernel(
     W: tl.constexpr,
     BLOCK: tl.constexpr,
     PROGRAMS: tl.constexpr,
-    QUANT_FP8: tl.constexpr,
+    QUANT: tl.constexpr,
     HIDDEN: tl.constexpr,
     GROUP: tl.constexpr,
     TILE_GROUPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
+    EMAX: tl.constexpr,
 ):
     """Read each token once and write its packed row (token | zero-padded scale row | weights | ids)
-    into the slot of every distinct destination rank, all destinations in one store per tile. With
-    QUANT_FP8 the bf16 token is quantized on the way (per-128 f32 scales, as
-    formats.quantize_dispatch); otherwise its payload words are copied."""
+    into the slot of every distinct destination rank, all destinations in one store per tile. QUANT
+    quantizes the bf16 token on the way, exactly as formats.quantize_dispatch: 1 = fp8 (f32 scale per
+    128), 2 = mxfp8, 3 = mxfp4 (e8m0 per 32, EMAX the element type's largest exponent); with 0 the
+    payload words are copied as they are."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
@@ -164,7 +209,7 @@ def dispatch_send_kernel(
         dst_rank = safe // max_tokens
         bases = tl.load(peer_bases + dst_rank, mask=present, other=0)
         rows = bases + (rank * max_tokens + safe - dst_rank * max_tokens) * ROW_BYTES  # [KP] byte addresses
-        if QUANT_FP8:
+        if QUANT == 1:
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
             TILE: tl.constexpr = TILE_GROUPS * GROUP
             for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
@@ -176,13 +221,49 @@ def dispatch_send_kernel(
                 scale = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
                 inv = tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
                 q2 = tl.clamp(x2 * inv[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
-                q = tl.reshape(q2, (TILE,))
-                ptrs = (rows[:, None] + elem[None, :]).to(tl.pointer_type(FP8))
-                tl.store(ptrs, tl.broadcast_to(q[None, :], (KP, TILE)), mask=present[:, None] & in_range[None, :])
+                _store_all(rows, elem, tl.reshape(q2, (TILE,)), in_range, present, TILE, KP)
                 groups = g0 + tl.arange(0, TILE_GROUPS)
-                scale_ptrs = (rows[:, None] + SCALE_AT * 4 + groups[None, :] * 4).to(tl.pointer_type(tl.float32))
-                scale_mask = present[:, None] & (groups < NUM_GROUPS)[None, :]
-                tl.store(scale_ptrs, tl.broadcast_to(scale[None, :], (KP, TILE_GROUPS)), mask=scale_mask)
+                _store_all(rows, SCALE_AT * 4 + groups * 4, scale, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
+        elif QUANT == 2:
+            NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
+            TILE: tl.constexpr = TILE_GROUPS * GROUP
+            for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
+                elem = g0 * GROUP + tl.arange(0, TILE)
+                in_range = elem < HIDDEN
+                x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range, other=0.0).to(tl.float32)
+                x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
+                exponent, scale = _e8m0(tl.max(tl.abs(x2), axis=1), EMAX)
+                scaled = tl.div_rn(x2, tl.broadcast_to(scale[:, None], x2.shape))
+                q2 = tl.clamp(scaled, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+                _store_all(rows, elem, tl.reshape(q2, (TILE,)), in_range, present, TILE, KP)
+                groups = g0 + tl.arange(0, TILE_GROUPS)
+                e8m0 = (exponent + 127).to(tl.uint8)
+                _store_all(rows, SCALE_AT * 4 + groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
+        elif QUANT == 3:
+            NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
+            PAIRS: tl.constexpr = GROUP // 2
+            TILE: tl.constexpr = TILE_GROUPS * PAIRS
+            for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
+                groups = g0 + tl.arange(0, TILE_GROUPS)
+                pair = groups[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]  # packed byte index
+                in_range = (groups < NUM_GROUPS)[:, None] & (pair >= 0)
+                even = tl.load(x_ptr + n * HIDDEN + 2 * pair, mask=in_range, other=0.0).to(tl.float32)
+                odd = tl.load(x_ptr + n * HIDDEN + 2 * pair + 1, mask=in_range, other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
+                exponent, scale = _e8m0(amax, EMAX)
+                scale2 = tl.broadcast_to(scale[:, None], even.shape)
+                packed = _e2m1(tl.div_rn(even, scale2)) | (_e2m1(tl.div_rn(odd, scale2)) << 4)
+                _store_all(
+                    rows,
+                    tl.reshape(pair, (TILE,)),
+                    tl.reshape(packed.to(tl.uint8), (TILE,)),
+                    tl.reshape(in_range, (TILE,)),
+                    present,
+                    TILE,
+                    KP,
+                )
+                e8m0 = (exponent + 127).to(tl.uint8)
+                _store_all(rows, SCALE_AT * 4 + groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         else:
             for start in range(0, TOKEN_WORDS, BLOCK):
                 word = start + offs
@@ -190,7 +271,7 @@ def dispatch_send_kernel(
                 ptrs = (rows[:, None] + word[None, :] * 4).to(tl.pointer_type(tl.int32))
                 mask = present[:, None] & (word < TOKEN_WORDS)[None, :]
                 tl.store(ptrs, tl.broadcast_to(value[None, :], (KP, BLOCK)), mask=mask)
-        first_pad = SCALE_WORDS if QUANT_FP8 else 0
+        first_pad = SCALE_WORDS if QUANT else 0
         for start in range(first_pad, STRIDE_WORDS, BLOCK):
             word = start + offs
             value = tl.load(scales_ptr + n * SCALE_WORDS + word, mask=word < SCALE_WORDS, other=0)

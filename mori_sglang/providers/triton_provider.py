@@ -28,6 +28,11 @@ COMBINE_FORMAT = {
     CombineDtype.FP8_BLOCKWISE: transport.COMBINE_FP8_BLOCKWISE,
     CombineDtype.FP8_BLOCKWISE_NATIVE: transport.COMBINE_FP8_BLOCKWISE_NATIVE,
 }
+QUANT_KIND = {
+    DispatchDtype.FP8: transport.QUANT_FP8,
+    DispatchDtype.MXFP8: transport.QUANT_MXFP8,
+    DispatchDtype.MXFP4: transport.QUANT_MXFP4,
+}
 TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 COPY_BLOCK = 1024
 # Elements per store in the dispatch send: the tile is written to every destination at once.
@@ -50,7 +55,7 @@ class TritonProvider:
     """Expert ids are range-checked by the routing kernel, on the device: no host sync per dispatch."""
 
     name = "triton"
-    fused_quantization = frozenset({DispatchDtype.FP8})
+    fused_quantization = frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4})
     checks_ids_on_device = True
 
     def __init__(
@@ -156,7 +161,7 @@ class TritonProvider:
         quantize: bool = False,
     ) -> None:
         """Send each token's row to its destinations; ``quantize``: ``payload`` is bf16, quantize it
-        to fp8 on the way (the only format this kernel fuses; see ``fused_quantization``)."""
+        to the dispatch dtype on the way, once per token whatever the number of destinations."""
         self._ensure_peers()
         cfg = self.config
         self._num_tokens = payload.shape[0]
@@ -176,6 +181,7 @@ class TritonProvider:
             BLOCK_N=ROUTE_BLOCK,
         )
         x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
+        group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         scale_words = scales.contiguous().view(torch.int32) if scales is not None else x
         transport.dispatch_send_kernel[(self.programs,)](
             self.arena.peer_bases,
@@ -194,12 +200,13 @@ class TritonProvider:
             SCALE_WORDS=_words(layout.scale_bytes),
             BLOCK=SEND_BLOCK,
             PROGRAMS=self.programs,
-            QUANT_FP8=quantize,
+            QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
             HIDDEN=cfg.hidden,
-            GROUP=formats.DISPATCH_FP8_GROUP,
-            TILE_GROUPS=SEND_BLOCK // formats.DISPATCH_FP8_GROUP,
+            GROUP=group,
+            TILE_GROUPS=SEND_BLOCK // group,
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
+            EMAX=formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
             enable_fp_fusion=False,
         )
         self._signal(self.arena_layout.dispatch_arrivals_offset)
