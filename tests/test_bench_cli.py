@@ -1,0 +1,59 @@
+"""The benchmark CLIs run end to end on a CPU: the loopback bench (torch and, through Triton's
+interpreter, triton providers) and the distributed bench under torchrun over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "2", "--combine-dtype", "bf16", "fp8_blockwise"]
+
+
+def _run(args: list[str], tmp_path: Path) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    text = _run(
+        [sys.executable, "-m", "mori_sglang.bench", "--world", "2", "--tokens", "4", "--mode", "low_latency",
+         "--dispatch-dtype", "fp8", "--json", str(out), *SMALL],
+        tmp_path,
+    )  # fmt: skip
+    assert "copy roofline" in text
+    rows = _table_rows(text)
+    assert [r[0] for r in rows] == ["triton", "torch", "triton", "torch"]
+    assert [r[4] for r in rows] == ["bf16", "bf16", "fp8_blockwise", "fp8_blockwise"]
+    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 4 and data["copy_gbs"] > 0
+
+
+@pytest.mark.slow
+def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "dist.json"
+    text = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mori_sglang.bench_dist",
+         "--provider", "torch", "--tokens", "6", "--mode", "intranode", "low_latency", "--json", str(out), *SMALL],
+        tmp_path,
+    )  # fmt: skip
+    rows = _table_rows(text)
+    assert [(r[1], r[5]) for r in rows] == [
+        ("intranode", "bf16"), ("intranode", "fp8_blockwise"), ("low_latency", "bf16"), ("low_latency", "fp8_blockwise")
+    ]  # fmt: skip
+    assert all(r[2] == "2" and float(r[6]) > 0 and float(r[7]) > 0 for r in rows)
+    assert json.loads(out.read_text())["world"] == 2
