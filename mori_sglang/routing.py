@@ -17,7 +17,6 @@ class SendPlan:
     low-latency mode uses in the destination's per-source region.
     """
 
-    dest_of_pair: torch.Tensor  # [N, K] int64, -1 where the slot sends nothing
     copy_of_pair: torch.Tensor  # [N, K] int64
     slot_of_pair: torch.Tensor  # [N, K] int64
     token_of_copy: torch.Tensor  # [N * K] int64; entries past the number of copies are unspecified
@@ -71,7 +70,6 @@ def plan_dispatch(
     slot_of_copy = torch.zeros(spare + 1, dtype=torch.long, device=device)
     slot_of_copy = slot_of_copy.scatter_(0, target, slot_of_pair.view(-1))[:spare]
     return SendPlan(
-        dest_of_pair=dest,
         copy_of_pair=copy_of_pair,
         slot_of_pair=slot_of_pair,
         token_of_copy=token_of_copy,
