@@ -15,7 +15,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton", reason="the triton provider needs the triton package")
 
 import interpreter_casts
 
