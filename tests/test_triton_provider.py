@@ -6,17 +6,11 @@ conversions made exact (see interpreter_casts.py); on a GPU the same tests run t
 
 from __future__ import annotations
 
-import os
 import random
 
+import interpreter_casts
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-import interpreter_casts
 
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
