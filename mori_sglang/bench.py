@@ -220,9 +220,8 @@ def plot(rows: list[Row], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=8)
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags both benchmarks share (sizes, dtypes, modes, iterations)."""
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
@@ -235,10 +234,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
         choices=[c.value for c in CombineDtype],
     )
     parser.add_argument("--mode", nargs="+", default=["intranode", "low_latency"], choices=[m.value for m in Mode])
-    parser.add_argument("--provider", default="triton", choices=["triton", "torch"])
     parser.add_argument("--no-baseline", action="store_true", help="skip the torch provider baseline")
-    parser.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
     parser.add_argument("--iters", type=int, default=20)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--provider", default="triton", choices=["triton", "torch"])
+    parser.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--plot", help="write a bar chart (PNG) here")

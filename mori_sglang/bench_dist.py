@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.bench import add_workload_args
+from mori_sglang.config import DispatchDtype, EpConfig, Provider
 from mori_sglang.op import EpDispatchCombineOp
 
 
@@ -141,21 +142,8 @@ def markdown(rows: list[DistRow]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--dispatch-dtype", default="fp8", choices=[d.value for d in DispatchDtype])
-    parser.add_argument(
-        "--combine-dtype",
-        nargs="+",
-        default=["bf16", "fp8_blockwise", "fp8_direct_cast"],
-        choices=[c.value for c in CombineDtype],
-    )
-    parser.add_argument("--mode", nargs="+", default=["intranode", "low_latency"], choices=[m.value for m in Mode])
+    add_workload_args(parser)
     parser.add_argument("--provider", default="auto", choices=[p.value for p in Provider])
-    parser.add_argument("--no-baseline", action="store_true", help="skip the torch provider (NCCL) baseline")
-    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="rank 0 writes the rows here")
     args = parser.parse_args(argv)
