@@ -209,36 +209,28 @@ def dispatch_send_kernel(
         dst_rank = safe // max_tokens
         bases = tl.load(peer_bases + dst_rank, mask=present, other=0)
         rows = bases + (rank * max_tokens + safe - dst_rank * max_tokens) * ROW_BYTES  # [KP] byte addresses
-        if QUANT == 1:
+        if (QUANT == 1) or (QUANT == 2):
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
             TILE: tl.constexpr = TILE_GROUPS * GROUP
             for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
                 elem = g0 * GROUP + tl.arange(0, TILE)
                 in_range = elem < HIDDEN
-                x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range, other=0.0).to(tl.float32)
-                x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
-                amax = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10)
-                scale = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
-                inv = tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
-                q2 = tl.clamp(x2 * inv[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
-                _store_all(rows, elem, tl.reshape(q2, (TILE,)), in_range, present, TILE, KP)
                 groups = g0 + tl.arange(0, TILE_GROUPS)
-                _store_all(rows, SCALE_AT * 4 + groups * 4, scale, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
-        elif QUANT == 2:
-            NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
-            TILE: tl.constexpr = TILE_GROUPS * GROUP
-            for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
-                elem = g0 * GROUP + tl.arange(0, TILE)
-                in_range = elem < HIDDEN
                 x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range, other=0.0).to(tl.float32)
                 x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
-                exponent, scale = _e8m0(tl.max(tl.abs(x2), axis=1), EMAX)
-                scaled = tl.div_rn(x2, tl.broadcast_to(scale[:, None], x2.shape))
+                if QUANT == 1:  # f32 scale amax / max; payload x * (max / amax)
+                    amax = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10)
+                    scale_row = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+                    scaled = x2 * tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)[:, None]
+                    scale_at = SCALE_AT * 4 + groups * 4
+                else:  # e8m0 byte; payload x / 2^exponent
+                    exponent, scale = _e8m0(tl.max(tl.abs(x2), axis=1), EMAX)
+                    scale_row = (exponent + 127).to(tl.uint8)
+                    scaled = tl.div_rn(x2, tl.broadcast_to(scale[:, None], x2.shape))
+                    scale_at = SCALE_AT * 4 + groups
                 q2 = tl.clamp(scaled, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
                 _store_all(rows, elem, tl.reshape(q2, (TILE,)), in_range, present, TILE, KP)
-                groups = g0 + tl.arange(0, TILE_GROUPS)
-                e8m0 = (exponent + 127).to(tl.uint8)
-                _store_all(rows, SCALE_AT * 4 + groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
+                _store_all(rows, scale_at, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         elif QUANT == 3:
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
             PAIRS: tl.constexpr = GROUP // 2
