@@ -15,8 +15,8 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -238,6 +238,25 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20)
 
 
+def workload_configs(args: argparse.Namespace, world_size: int, rank: int, provider: Provider) -> Iterator[EpConfig]:
+    """Every (mode, tokens per rank, combine dtype) point of the sweep the workload flags describe."""
+    for mode in args.mode:
+        for tokens in args.tokens:
+            for combine in args.combine_dtype:
+                yield EpConfig(
+                    world_size=world_size,
+                    rank=rank,
+                    hidden=args.hidden,
+                    num_experts=args.experts,
+                    topk=args.topk,
+                    max_tokens_per_rank=tokens,
+                    dispatch_dtype=args.dispatch_dtype,
+                    combine_dtype=combine,
+                    mode=mode,
+                    provider=provider,
+                )
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser)
@@ -254,28 +273,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     _COPY_BW["bw"] = bw
     rows: list[Row] = []
     baseline: dict[tuple, Row] = {}
-    for mode in args.mode:
-        for tokens in args.tokens:
-            for combine in args.combine_dtype:
-                cfg = EpConfig(
-                    world_size=args.world,
-                    rank=0,
-                    hidden=args.hidden,
-                    num_experts=args.experts,
-                    topk=args.topk,
-                    max_tokens_per_rank=tokens,
-                    dispatch_dtype=args.dispatch_dtype,
-                    combine_dtype=combine,
-                    mode=mode,
-                    provider=Provider(args.provider),
-                )
-                row, _ = bench_one(cfg, tokens, device, args.iters, graph=not args.no_graph)
-                rows.append(row)
-                if not args.no_baseline and args.provider != "torch":
-                    base_cfg = EpConfig(**{**_cfg_dict(cfg), "provider": Provider.TORCH})
-                    base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), graph=False)
-                    baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
-                    rows.append(base)
+    for cfg in workload_configs(args, args.world, 0, Provider(args.provider)):
+        tokens = cfg.max_tokens_per_rank
+        row, _ = bench_one(cfg, tokens, device, args.iters, graph=not args.no_graph)
+        rows.append(row)
+        if not args.no_baseline and args.provider != "torch":
+            base, _ = bench_one(replace(cfg, provider=Provider.TORCH), tokens, device, max(3, args.iters // 4), False)
+            baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
+            rows.append(base)
     print(markdown(rows, baseline, bw))
     if args.json:
         with open(args.json, "w") as f:
@@ -283,10 +288,6 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.plot:
         plot(rows, args.plot)
     return rows
-
-
-def _cfg_dict(cfg: EpConfig) -> dict:
-    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from mori_sglang import formats
-from mori_sglang.bench import add_workload_args
+from mori_sglang.bench import add_workload_args, workload_configs
 from mori_sglang.config import DispatchDtype, EpConfig, Provider
 from mori_sglang.op import EpDispatchCombineOp
 
@@ -158,24 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     providers = [Provider(args.provider)]
     if not args.no_baseline and providers[0] is not Provider.TORCH:
         providers.append(Provider.TORCH)
-    rows = []
-    for mode in args.mode:
-        for tokens in args.tokens:
-            for combine in args.combine_dtype:
-                for provider in providers:
-                    cfg = EpConfig(
-                        world_size=world,
-                        rank=rank,
-                        hidden=args.hidden,
-                        num_experts=args.experts,
-                        topk=args.topk,
-                        max_tokens_per_rank=tokens,
-                        dispatch_dtype=args.dispatch_dtype,
-                        combine_dtype=combine,
-                        mode=mode,
-                        provider=provider,
-                    )
-                    rows.append(bench(cfg, device, args.iters, args.seed))
+    rows = [
+        bench(replace(cfg, provider=provider), device, args.iters, args.seed)
+        for cfg in workload_configs(args, world, rank, providers[0])
+        for provider in providers
+    ]
     if rank == 0:
         print(markdown(rows))
         if args.json:
