@@ -88,7 +88,9 @@ def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
     return xs, weights, ids
 
 
-def bench_one(cfg: EpConfig, tokens: int, device: torch.device, iters: int, graph: bool) -> tuple[Row, int]:
+def bench_one(
+    cfg: EpConfig, tokens: int, device: torch.device, iters: int, graph: bool, copy_gbs: float
+) -> tuple[Row, int]:
     world = LoopbackWorld(cfg, device)
     xs, weights, ids = make_inputs(cfg, tokens, device, seed=1)
     ops = world.ops
@@ -127,7 +129,7 @@ def bench_one(cfg: EpConfig, tokens: int, device: torch.device, iters: int, grap
     recv_rows = sum(int(o.num_recv.item()) for o in outs)
     pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in ids)
     assert recv_rows == pairs, (recv_rows, pairs)
-    return _row(cfg, tokens, times, recv_rows, world.ops[0]), recv_rows
+    return _row(cfg, tokens, times, recv_rows, world.ops[0], copy_gbs), recv_rows
 
 
 def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -144,15 +146,11 @@ def _expert_identity(out, cfg: EpConfig) -> torch.Tensor:
     return formats.dequantize_dispatch(out.tokens, scales, cfg.dispatch_dtype, cfg.hidden).to(torch.bfloat16)
 
 
-_COPY_BW: dict[str, float] = {}
-
-
-def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op) -> Row:
+def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw: float) -> Row:
     ds, dr, cs, cr = times
     dispatch_bytes = recv_rows * (op.layout.token_bytes + op.layout.scale_bytes)
     combine_row = formats.combine_row_bytes(cfg.combine_dtype, cfg.hidden, cfg.combine_block)
     combine_bytes = recv_rows * combine_row
-    bw = _COPY_BW.get("bw", float("nan"))
     # Traffic each phase must move at least once: dispatch reads+writes every row twice (send, compact);
     # combine send reads the bf16 expert output and writes the wire row; receive reads the wire rows
     # and writes one bf16 row per source token.
@@ -270,15 +268,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     bw = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
-    _COPY_BW["bw"] = bw
     rows: list[Row] = []
     baseline: dict[tuple, Row] = {}
     for cfg in workload_configs(args, args.world, 0, Provider(args.provider)):
         tokens = cfg.max_tokens_per_rank
-        row, _ = bench_one(cfg, tokens, device, args.iters, graph=not args.no_graph)
+        row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw)
         rows.append(row)
         if not args.no_baseline and args.provider != "torch":
-            base, _ = bench_one(replace(cfg, provider=Provider.TORCH), tokens, device, max(3, args.iters // 4), False)
+            base_cfg = replace(cfg, provider=Provider.TORCH)
+            base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw)
             baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
             rows.append(base)
     print(markdown(rows, baseline, bw))

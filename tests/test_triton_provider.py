@@ -7,13 +7,14 @@ conversions made exact (see interpreter_casts.py); on a GPU the same tests run t
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import interpreter_casts
 import pytest
 import torch
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers.triton_provider import PeerTimeoutError
 from mori_sglang.routing import source_of_rows
@@ -29,6 +30,11 @@ MAX_TOKENS = 64 if ON_GPU else 6
 
 if not ON_GPU:
     interpreter_casts.install()
+
+
+def _config(world: int = WORLD, **overrides: object) -> EpConfig:
+    """The tests' op shape; each test names only what it varies."""
+    return EpConfig(world, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, **overrides)
 
 
 def _inputs(cfg: EpConfig, counts: list[int], seed: int):
@@ -123,13 +129,7 @@ def test_bit_identical_to_torch_provider(
     counts[seed % WORLD] = 0  # a rank with no tokens
     runs = {}
     for provider in ("torch", "triton"):
-        cfg = EpConfig(
-            WORLD,
-            0,
-            HIDDEN,
-            EXPERTS,
-            TOPK,
-            max_tokens_per_rank=MAX_TOKENS,
+        cfg = _config(
             dispatch_dtype=dispatch,
             combine_dtype=combine,
             mode=mode,
@@ -148,9 +148,7 @@ def test_fused_dispatch_quantization_matches_the_reference_on_edge_values(dispat
     edge = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1, 7.0, -2.5, 1.0625, 448.0, -0.0, 0.5, 3.0])
     rows = [edge.repeat(HIDDEN // 16), torch.zeros(HIDDEN), edge.repeat(HIDDEN // 16) * 2.0**-100]
     x = torch.stack(rows).to(torch.bfloat16).to(DEVICE)
-    cfg = EpConfig(
-        1, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, dispatch_dtype=dispatch, provider="triton"
-    )
+    cfg = _config(1, dispatch_dtype=dispatch, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)
     ids = torch.arange(TOPK, dtype=torch.int32, device=DEVICE).repeat(3, 1)
     out = world.dispatch([x], [torch.ones(3, TOPK, device=DEVICE)], None, [ids])[0]
@@ -165,13 +163,7 @@ def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:
     rounds = 1000 if ON_GPU else 4  # the GPU run is the soak: random counts, 0 and full included
     worlds = {
         p: LoopbackWorld(
-            EpConfig(
-                WORLD,
-                0,
-                HIDDEN,
-                EXPERTS,
-                TOPK,
-                max_tokens_per_rank=MAX_TOKENS,
+            _config(
                 mode=Mode.LOW_LATENCY,
                 combine_dtype=CombineDtype.FP8_BLOCKWISE,
                 provider=p,
@@ -189,7 +181,7 @@ def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:
 
 
 def test_stalled_peer_raises_timeout_naming_it() -> None:
-    cfg = EpConfig(2, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="triton")
+    cfg = _config(2, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)
     for op in world.ops:
         op.provider.max_spins = 50
@@ -202,7 +194,7 @@ def test_stalled_peer_raises_timeout_naming_it() -> None:
 
 def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:
     """The routing kernel range-checks ids on the device; the op raises at its next status check."""
-    cfg = EpConfig(2, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="triton")
+    cfg = _config(2, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)
     xs, weights, ids = _inputs(cfg, [3, 2], seed=11)
     ids[1][1, 0] = EXPERTS + 5
@@ -214,20 +206,14 @@ def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graph capture needs a CUDA GPU")
 def test_cuda_graph_replay_matches_eager() -> None:
-    cfg = EpConfig(
-        WORLD,
-        0,
-        HIDDEN,
-        EXPERTS,
-        TOPK,
-        max_tokens_per_rank=MAX_TOKENS,
+    cfg = _config(
         mode=Mode.LOW_LATENCY,
         dispatch_dtype=DispatchDtype.FP8,
         combine_dtype=CombineDtype.FP8_BLOCKWISE,
         provider="triton",
     )
     world = LoopbackWorld(cfg, DEVICE)
-    ref_world = LoopbackWorld(EpConfig(**{**cfg.__dict__, "provider": "torch"}), DEVICE)
+    ref_world = LoopbackWorld(replace(cfg, provider=Provider.TORCH), DEVICE)
     counts = [MAX_TOKENS] * WORLD
     xs, weights, ids = _inputs(cfg, counts, seed=3)
     _step(world, xs, weights, ids)  # warm-up compiles every kernel

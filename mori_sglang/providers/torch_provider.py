@@ -85,23 +85,24 @@ class TorchProvider:
         cfg = self.config
         capacity = cfg.max_recv_tokens
         recv, recv_counts_host = pending.rows.wait()
-        if pending.counts is None:
-            assert recv_counts_host is not None
-            recv_counts = torch.tensor(recv_counts_host, dtype=torch.int64, device=self.device)
-            total = recv.shape[0]
-            rows = torch.zeros(capacity, layout.row_bytes, dtype=torch.uint8, device=self.device)
-            rows[:total] = recv
-            num_recv = torch.tensor([total], dtype=torch.int32, device=self.device)
-            send_counts_host = pending.plan.send_counts.tolist()
-        else:
+        fixed_slots = pending.counts is not None
+        if fixed_slots:
             counts, _ = pending.counts.wait()
             recv_counts = counts.view(-1).to(self.device)
-            src, pos = source_of_rows(recv_counts, capacity)
+        else:
+            assert recv_counts_host is not None
+            recv_counts = torch.tensor(recv_counts_host, dtype=torch.int64, device=self.device)
+        src, pos = source_of_rows(recv_counts, capacity)
+        if fixed_slots:
             slot = (src * cfg.max_tokens_per_rank + pos.clamp(max=cfg.max_tokens_per_rank - 1)).clamp(min=0)
             rows = recv.view(capacity, layout.row_bytes)[slot]
             num_recv = recv_counts.sum().view(1).int()
             send_counts_host = None
-        src, pos = source_of_rows(recv_counts, capacity)
+        else:
+            rows = torch.zeros(capacity, layout.row_bytes, dtype=torch.uint8, device=self.device)
+            rows[: recv.shape[0]] = recv
+            num_recv = torch.tensor([recv.shape[0]], dtype=torch.int32, device=self.device)
+            send_counts_host = pending.plan.send_counts.tolist()
         handle = CombineHandle(
             num_tokens=pending.num_tokens,
             copy_of_pair=pending.plan.copy_of_pair,
@@ -111,7 +112,7 @@ class TorchProvider:
             recv_counts=recv_counts,
             num_recv=num_recv,
             send_counts_host=send_counts_host,
-            recv_counts_host=recv_counts_host if pending.counts is None else None,
+            recv_counts_host=None if fixed_slots else recv_counts_host,
         )
         scales = None
         if layout.scale_bytes:
