@@ -41,9 +41,12 @@ class Row:
     combine_recv_us: float
     dispatch_gbs: float
     combine_gbs: float
-    dispatch_traffic_pct: float
-    combine_send_traffic_pct: float
-    combine_recv_traffic_pct: float
+    # Bytes each phase must read and write at least once, per second, as % of the copy bandwidth.
+    dispatch_send_pct: float
+    dispatch_recv_pct: float
+    combine_send_pct: float
+    combine_recv_pct: float
+    round_trip_pct: float
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -151,13 +154,20 @@ def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw:
     dispatch_bytes = recv_rows * (op.layout.token_bytes + op.layout.scale_bytes)
     combine_row = formats.combine_row_bytes(cfg.combine_dtype, cfg.hidden, cfg.combine_block)
     combine_bytes = recv_rows * combine_row
-    # Traffic each phase must move at least once: dispatch reads+writes every row twice (send, compact);
-    # combine send reads the bf16 expert output and writes the wire row; receive reads the wire rows
-    # and writes one bf16 row per source token.
+    sent_tokens = cfg.world_size * tokens
+    # The least traffic of each phase (the triton provider's model): the dispatch send reads every bf16
+    # token once and writes one packed row per destination; the receive copies the rows out compact;
+    # the combine send reads each expert output and writes its wire row; the combine receive reads the
+    # wire rows and writes one bf16 row per token.
     row_bytes = op.layout.row_bytes
-    dispatch_traffic = 4 * recv_rows * row_bytes
-    send_traffic = recv_rows * (2 * cfg.hidden + combine_row)
-    recv_traffic = recv_rows * combine_row + cfg.world_size * tokens * 2 * cfg.hidden
+    bf16_row = 2 * cfg.hidden
+    traffic = [
+        sent_tokens * bf16_row + recv_rows * row_bytes,
+        2 * recv_rows * row_bytes,
+        recv_rows * (bf16_row + combine_row),
+        recv_rows * combine_row + sent_tokens * bf16_row,
+    ]
+    pct = [100 * t / (us * 1e-6) / 1e9 / bw for t, us in zip(traffic, times, strict=True)]
     return Row(
         provider=op.provider_kind.value,
         mode=cfg.mode.value,
@@ -172,9 +182,11 @@ def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw:
         combine_recv_us=cr,
         dispatch_gbs=dispatch_bytes / ((ds + dr) * 1e-6) / 1e9,
         combine_gbs=combine_bytes / ((cs + cr) * 1e-6) / 1e9,
-        dispatch_traffic_pct=100 * dispatch_traffic / ((ds + dr) * 1e-6) / 1e9 / bw,
-        combine_send_traffic_pct=100 * send_traffic / (cs * 1e-6) / 1e9 / bw,
-        combine_recv_traffic_pct=100 * recv_traffic / (cr * 1e-6) / 1e9 / bw,
+        dispatch_send_pct=pct[0],
+        dispatch_recv_pct=pct[1],
+        combine_send_pct=pct[2],
+        combine_recv_pct=pct[3],
+        round_trip_pct=100 * sum(traffic) / (sum(times) * 1e-6) / 1e9 / bw,
     )
 
 
@@ -183,9 +195,9 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
         f"copy roofline (read+write): {copy_bw:.0f} GB/s",
         "",
         "| provider | mode | tokens/rank | dispatch | combine | dispatch µs | combine µs | dispatch GB/s | "
-        "combine GB/s | dispatch % roof | combine send % roof | combine recv % roof | "
+        "combine GB/s | % roof: dispatch send | dispatch recv | combine send | combine recv | round trip | "
         "dispatch x torch | combine x torch |",
-        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         base = baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype))
@@ -194,7 +206,8 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
         lines.append(
             f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
             f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.0f} | {r.combine_gbs:.0f} | "
-            f"{r.dispatch_traffic_pct:.0f} | {r.combine_send_traffic_pct:.0f} | {r.combine_recv_traffic_pct:.0f} | "
+            f"{r.dispatch_send_pct:.0f} | {r.dispatch_recv_pct:.0f} | {r.combine_send_pct:.0f} | "
+            f"{r.combine_recv_pct:.0f} | {r.round_trip_pct:.0f} | "
             f"{ratio_d} | {ratio_c} |"
         )
     return "\n".join(lines)

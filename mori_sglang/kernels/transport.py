@@ -20,6 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Every row in an arena starts on this many bytes (the host checks it): lets loads and stores through
+# peer pointers read from memory be vectorized.
+ROW_ALIGN = tl.constexpr(16)
+
 COMBINE_BF16 = 0
 COMBINE_FP8_DIRECT = 1
 COMBINE_FP8_BLOCKWISE = 2
@@ -105,9 +109,16 @@ def _e2m1(v):
 
 
 @triton.jit
-def _store_all(rows, offsets, values, mask, present, T: tl.constexpr, KP: tl.constexpr):
-    """Store one tile (flat byte offsets, values of the pointee type) into every present destination row."""
-    ptrs = (rows[:, None] + offsets[None, :]).to(tl.pointer_type(values.dtype))
+def _row_pointers(addresses, dtype: tl.constexpr):
+    """Byte addresses of arena rows -> typed pointers the compiler knows are ROW_ALIGN-aligned."""
+    return tl.multiple_of(addresses.to(tl.pointer_type(dtype)), ROW_ALIGN)
+
+
+@triton.jit
+def _store_all(rows, start, offsets, values, mask, present, T: tl.constexpr, KP: tl.constexpr):
+    """Store one tile into every present destination row: ``offsets`` count elements of the values'
+    type from byte ``start`` of each row."""
+    ptrs = _row_pointers(rows + start, values.dtype)[:, None] + offsets[None, :]
     tl.store(ptrs, tl.broadcast_to(values[None, :], (KP, T)), mask=present[:, None] & mask[None, :])
 
 
@@ -184,6 +195,7 @@ def dispatch_send_kernel(
     KP: tl.constexpr,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
     PROGRAMS: tl.constexpr,
     QUANT: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -197,12 +209,17 @@ def dispatch_send_kernel(
     into the slot of every distinct destination rank, all destinations in one store per tile. QUANT
     quantizes the bf16 token on the way, exactly as formats.quantize_dispatch: 1 = fp8 (f32 scale per
     128), 2 = mxfp8, 3 = mxfp4 (e8m0 per 32, EMAX the element type's largest exponent); with 0 the
-    payload words are copied as they are."""
+    payload words are copied as they are.
+       A work item is one tile (TILE_GROUPS scale groups, or BLOCK words when copying) of one token, so
+    that a small batch still spreads over every program; TILES is the number of tiles of a token, and
+    tile 0 also writes the pad, the weights and the ids."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    for n in range(pid, num_tokens, PROGRAMS):
+    for item in range(pid, num_tokens * TILES, PROGRAMS):
+        n = item // TILES
+        tile = item % TILES
         slots = tl.load(slot_of_pair_ptr + n * K + k_offs, mask=k_mask, other=-1)
         present = slots >= 0
         safe = tl.maximum(slots, 0)
@@ -212,71 +229,53 @@ def dispatch_send_kernel(
         if (QUANT == 1) or (QUANT == 2):
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
             TILE: tl.constexpr = TILE_GROUPS * GROUP
-            for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
-                elem = g0 * GROUP + tl.arange(0, TILE)
-                in_range = elem < HIDDEN
-                groups = g0 + tl.arange(0, TILE_GROUPS)
-                x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range, other=0.0).to(tl.float32)
-                x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
-                if QUANT == 1:  # f32 scale amax / max; payload x * (max / amax)
-                    amax = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10)
-                    scale_row = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
-                    scaled = x2 * tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)[:, None]
-                    scale_at = SCALE_AT * 4 + groups * 4
-                else:  # e8m0 byte; payload x / 2^exponent
-                    exponent, scale = _e8m0(tl.max(tl.abs(x2), axis=1), EMAX)
-                    scale_row = (exponent + 127).to(tl.uint8)
-                    scaled = tl.div_rn(x2, tl.broadcast_to(scale[:, None], x2.shape))
-                    scale_at = SCALE_AT * 4 + groups
-                q2 = tl.clamp(scaled, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
-                _store_all(rows, elem, tl.reshape(q2, (TILE,)), in_range, present, TILE, KP)
-                _store_all(rows, scale_at, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
+            groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+            elem = tile * TILE + tl.arange(0, TILE)
+            in_range = elem < HIDDEN
+            x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range, other=0.0).to(tl.float32)
+            x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
+            if QUANT == 1:  # f32 scale amax / max; payload x * (max / amax)
+                amax = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10)
+                scale_row = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+                scaled = x2 * tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)[:, None]
+            else:  # e8m0 byte; payload x / 2^exponent
+                exponent, scale = _e8m0(tl.max(tl.abs(x2), axis=1), EMAX)
+                scale_row = (exponent + 127).to(tl.uint8)
+                scaled = tl.div_rn(x2, tl.broadcast_to(scale[:, None], x2.shape))
+            q2 = tl.clamp(scaled, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+            _store_all(rows, 0, elem, tl.reshape(q2, (TILE,)), in_range, present, TILE, KP)
+            _store_all(rows, SCALE_AT * 4, groups, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         elif QUANT == 3:
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
             PAIRS: tl.constexpr = GROUP // 2
-            TILE: tl.constexpr = TILE_GROUPS * PAIRS
-            for g0 in range(0, NUM_GROUPS, TILE_GROUPS):
-                groups = g0 + tl.arange(0, TILE_GROUPS)
-                pair = groups[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]  # packed byte index
-                in_range = (groups < NUM_GROUPS)[:, None] & (pair >= 0)
-                even = tl.load(x_ptr + n * HIDDEN + 2 * pair, mask=in_range, other=0.0).to(tl.float32)
-                odd = tl.load(x_ptr + n * HIDDEN + 2 * pair + 1, mask=in_range, other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
-                exponent, scale = _e8m0(amax, EMAX)
-                scale2 = tl.broadcast_to(scale[:, None], even.shape)
-                packed = _e2m1(tl.div_rn(even, scale2)) | (_e2m1(tl.div_rn(odd, scale2)) << 4)
-                _store_all(
-                    rows,
-                    tl.reshape(pair, (TILE,)),
-                    tl.reshape(packed.to(tl.uint8), (TILE,)),
-                    tl.reshape(in_range, (TILE,)),
-                    present,
-                    TILE,
-                    KP,
-                )
-                e8m0 = (exponent + 127).to(tl.uint8)
-                _store_all(rows, SCALE_AT * 4 + groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
+            TILE: tl.constexpr = TILE_GROUPS * PAIRS  # packed bytes
+            groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+            elem = tile * (TILE_GROUPS * GROUP) + tl.arange(0, TILE_GROUPS * GROUP)
+            x = tl.load(x_ptr + n * HIDDEN + elem, mask=elem < HIDDEN, other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(x, (TILE_GROUPS, PAIRS, 2)))
+            amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
+            exponent, scale = _e8m0(amax, EMAX)
+            scale2 = tl.broadcast_to(scale[:, None], even.shape)
+            packed = _e2m1(tl.div_rn(even, scale2)) | (_e2m1(tl.div_rn(odd, scale2)) << 4)
+            byte = tile * TILE + tl.arange(0, TILE)
+            packed = tl.reshape(packed.to(tl.uint8), (TILE,))
+            _store_all(rows, 0, byte, packed, byte < HIDDEN // 2, present, TILE, KP)
+            e8m0 = (exponent + 127).to(tl.uint8)
+            _store_all(rows, SCALE_AT * 4, groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         else:
-            for start in range(0, TOKEN_WORDS, BLOCK):
+            word = tile * BLOCK + offs
+            value = tl.load(x_ptr + n * TOKEN_WORDS + word, mask=word < TOKEN_WORDS)
+            _store_all(rows, 0, word, value, word < TOKEN_WORDS, present, BLOCK, KP)
+        if tile == 0:
+            first_pad = SCALE_WORDS if QUANT else 0
+            for start in range(first_pad, STRIDE_WORDS, BLOCK):
                 word = start + offs
-                value = tl.load(x_ptr + n * TOKEN_WORDS + word, mask=word < TOKEN_WORDS)
-                ptrs = (rows[:, None] + word[None, :] * 4).to(tl.pointer_type(tl.int32))
-                mask = present[:, None] & (word < TOKEN_WORDS)[None, :]
-                tl.store(ptrs, tl.broadcast_to(value[None, :], (KP, BLOCK)), mask=mask)
-        first_pad = SCALE_WORDS if QUANT else 0
-        for start in range(first_pad, STRIDE_WORDS, BLOCK):
-            word = start + offs
-            value = tl.load(scales_ptr + n * SCALE_WORDS + word, mask=word < SCALE_WORDS, other=0)
-            ptrs = (rows[:, None] + (SCALE_AT + word[None, :]) * 4).to(tl.pointer_type(tl.int32))
-            mask = present[:, None] & (word < STRIDE_WORDS)[None, :]
-            tl.store(ptrs, tl.broadcast_to(value[None, :], (KP, BLOCK)), mask=mask)
-        meta_mask = present[:, None] & k_mask[None, :]
-        weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask)
-        ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
-        weight_ptrs = (rows[:, None] + (WEIGHTS_AT + k_offs[None, :]) * 4).to(tl.pointer_type(tl.int32))
-        tl.store(weight_ptrs, tl.broadcast_to(weights[None, :], (KP, KP)), mask=meta_mask)
-        id_ptrs = (rows[:, None] + (IDS_AT + k_offs[None, :]) * 4).to(tl.pointer_type(tl.int32))
-        tl.store(id_ptrs, tl.broadcast_to(ids[None, :], (KP, KP)), mask=meta_mask)
+                scale_words = tl.load(scales_ptr + n * SCALE_WORDS + word, mask=word < SCALE_WORDS, other=0)
+                _store_all(rows, SCALE_AT * 4, word, scale_words, word < STRIDE_WORDS, present, BLOCK, KP)
+            weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask)
+            _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
+            ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
+            _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
     if pid == 0:
         for dst in range(W):
             base = tl.load(peer_bases + dst)
@@ -331,24 +330,28 @@ def dispatch_recv_kernel(
 
 
 @triton.jit
-def _quantize_row(
+def _quantize_blocks(
     src,
     dst,
+    first_block,
     HIDDEN: tl.constexpr,
     FORMAT: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
+    ITEM_BLOCKS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """One expert output row -> its combine wire row (the torch reference in formats.py, bit for bit)."""
+    """Blocks [first_block, first_block + ITEM_BLOCKS) of one expert output row -> its combine wire row
+    (the torch reference in formats.py, bit for bit). The native format's sign flag depends on the whole
+    row, so it is quantized as one item."""
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
     cols = tl.arange(0, BLOCK_P2)
     any_scaled = tl.full((), 0, tl.int32)
     first_scale = tl.full((), 0.0, tl.float32)
-    for b0 in range(0, NUM_BLOCKS, TILE_BLOCKS):
-        blocks = b0 + tl.arange(0, TILE_BLOCKS)
+    for b in tl.static_range(0, ITEM_BLOCKS, TILE_BLOCKS):
+        blocks = first_block + b + tl.arange(0, TILE_BLOCKS)
         elem = blocks[:, None] * BLOCK + cols[None, :]
         mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
         x = tl.load(src + elem, mask=mask, other=0.0).to(tl.float32)
@@ -372,7 +375,8 @@ def _quantize_row(
                 inv = tl.where(scaled, tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe_amax), 1.0)
                 q = tl.where(scaled[:, None], x * inv[:, None], x)
                 any_scaled = tl.maximum(any_scaled, tl.max(scaled.to(tl.int32), axis=0))
-                first_scale = tl.where(b0 == 0, tl.sum(tl.where(blocks == 0, scale, 0.0), axis=0), first_scale)
+                if b == 0:
+                    first_scale = tl.sum(tl.where(blocks == 0, scale, 0.0), axis=0)
             q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
             tl.store(dst.to(tl.pointer_type(FP8)) + elem, q, mask=mask)
             scales = (dst + HIDDEN).to(tl.pointer_type(tl.float32))
@@ -397,22 +401,40 @@ def combine_send_kernel(
     BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
+    ITEM_BLOCKS: tl.constexpr,
+    ITEMS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
-    """Quantize each received row's expert output straight into its source rank's combine slot."""
+    """Quantize each received row's expert output straight into its source rank's combine slot; a work
+    item is ITEM_BLOCKS blocks of one row (ITEMS per row)."""
     pid = tl.program_id(0)
     w_offs = tl.arange(0, WP)
     counts = tl.load(recv_counts_ptr + w_offs, mask=w_offs < W, other=0)
     total = tl.sum(counts, 0)
-    for j in range(pid, total, PROGRAMS):
+    for item in range(pid, total * ITEMS, PROGRAMS):
+        j = item // ITEMS
         src, pos = _source_of_row(counts, j, WP)
         base = tl.load(peer_bases + src)
         dst = (base + combine_offset).to(tl.pointer_type(tl.uint8)) + (rank * max_tokens + pos) * ROW_STRIDE
-        _quantize_row(y_ptr + j * HIDDEN, dst, HIDDEN, FORMAT, BLOCK, BLOCK_P2, TILE_BLOCKS, FP8_MAX, FP8)
+        dst = tl.multiple_of(dst, ROW_ALIGN)
+        first_block = (item % ITEMS) * ITEM_BLOCKS
+        _quantize_blocks(
+            y_ptr + j * HIDDEN,
+            dst,
+            first_block,
+            HIDDEN,
+            FORMAT,
+            BLOCK,
+            BLOCK_P2,
+            TILE_BLOCKS,
+            ITEM_BLOCKS,
+            FP8_MAX,
+            FP8,
+        )
 
 
 @triton.jit
@@ -432,32 +454,34 @@ def combine_recv_kernel(
     K: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
-    """Per token: dequantize its returned rows and add them in f32 in top-k order, cast once to bf16."""
+    """Per token: dequantize its returned rows and add them in f32 in top-k order, cast once to bf16.
+    A work item is one tile of TILE_BLOCKS blocks of one token."""
     pid = tl.program_id(0)
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
+    TILES: tl.constexpr = (NUM_BLOCKS + TILE_BLOCKS - 1) // TILE_BLOCKS
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
     cols = tl.arange(0, BLOCK_P2)
-    for n in range(pid, num_tokens, PROGRAMS):
-        for b0 in range(0, NUM_BLOCKS, TILE_BLOCKS):
-            blocks = b0 + tl.arange(0, TILE_BLOCKS)
-            elem = blocks[:, None] * BLOCK + cols[None, :]
-            mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
-            acc = tl.zeros((TILE_BLOCKS, BLOCK_P2), dtype=tl.float32)
-            for k in tl.static_range(K):
-                slot = tl.load(slot_of_pair_ptr + n * K + k)
-                present = slot >= 0
-                row = rows + tl.maximum(slot, 0) * ROW_STRIDE
-                m = mask & present
-                if FORMAT == 0:
-                    v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + elem, mask=m, other=0.0).to(tl.float32)
-                else:
-                    v = tl.load(row.to(tl.pointer_type(FP8)) + elem, mask=m, other=0.0).to(tl.float32)
-                    if FORMAT >= 2:
-                        scales = (row + HIDDEN).to(tl.pointer_type(tl.float32))
-                        s = tl.load(scales + blocks, mask=(blocks < NUM_BLOCKS) & present, other=1.0)
-                        if FORMAT == 3:
-                            flagged = tl.load(scales, mask=present, other=1.0) < 0
-                            s = tl.where(flagged, tl.abs(s), 1.0)
-                        v = v * s[:, None]
-                acc = acc + tl.where(m, v, 0.0)
-            tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)
+    for item in range(pid, num_tokens * TILES, PROGRAMS):
+        n = item // TILES
+        blocks = (item % TILES) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
+        elem = blocks[:, None] * BLOCK + cols[None, :]
+        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
+        acc = tl.zeros((TILE_BLOCKS, BLOCK_P2), dtype=tl.float32)
+        for k in tl.static_range(K):
+            slot = tl.load(slot_of_pair_ptr + n * K + k)
+            present = slot >= 0
+            row = tl.multiple_of(rows + tl.maximum(slot, 0) * ROW_STRIDE, ROW_ALIGN)
+            m = mask & present
+            if FORMAT == 0:
+                v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + elem, mask=m, other=0.0).to(tl.float32)
+            else:
+                v = tl.load(row.to(tl.pointer_type(FP8)) + elem, mask=m, other=0.0).to(tl.float32)
+                if FORMAT >= 2:
+                    scales = (row + HIDDEN).to(tl.pointer_type(tl.float32))
+                    s = tl.load(scales + blocks, mask=(blocks < NUM_BLOCKS) & present, other=1.0)
+                    if FORMAT == 3:
+                        flagged = tl.load(scales, mask=present, other=1.0) < 0
+                        s = tl.where(flagged, tl.abs(s), 1.0)
+                    v = v * s[:, None]
+            acc = acc + tl.where(m, v, 0.0)
+        tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)

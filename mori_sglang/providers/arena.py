@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mori_sglang.exchange import LoopbackHub
+from mori_sglang.kernels.transport import ROW_ALIGN
 
 SYNC_ALIGN = 128
 
@@ -29,6 +30,12 @@ class ArenaLayout:
     max_tokens: int
     dispatch_row_bytes: int
     combine_row_stride: int
+
+    def __post_init__(self) -> None:
+        # The kernels tell the compiler that every row starts on ROW_ALIGN bytes.
+        for name in ("dispatch_row_bytes", "combine_row_stride"):
+            if getattr(self, name) % ROW_ALIGN.value:
+                raise ValueError(f"{name}={getattr(self, name)} is not a multiple of {ROW_ALIGN.value} bytes")
 
     @property
     def slots(self) -> int:
@@ -59,6 +66,7 @@ class Arena:
     """This rank's arena and the address of every rank's arena."""
 
     def __init__(self, layout: ArenaLayout, buffer: torch.Tensor, peer_bases: torch.Tensor) -> None:
+        _check_aligned([buffer.data_ptr()])
         self.layout = layout
         self.buffer = buffer
         self.peer_bases = peer_bases
@@ -79,6 +87,7 @@ class Arena:
             missing = sorted(set(range(self.layout.world_size)) - set(hub.arenas))
             raise RuntimeError(f"loopback world: ranks {missing} have no arena yet; build every rank's op first")
         addresses = [hub.arenas[r].data_ptr() for r in range(self.layout.world_size)]
+        _check_aligned(addresses)
         self.peer_bases.copy_(torch.tensor(addresses, dtype=torch.int64))
 
     @classmethod
@@ -91,7 +100,14 @@ class Arena:
         handle = symm_mem.rendezvous(buffer, group.group_name)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
+        _check_aligned(list(handle.buffer_ptrs))
         bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         arena = cls(layout, buffer, bases)
         arena.handle = handle  # keeps the mapping alive as long as the arena
         return arena
+
+
+def _check_aligned(addresses: list[int]) -> None:
+    bad = [hex(a) for a in addresses if a % ROW_ALIGN.value]
+    if bad:
+        raise RuntimeError(f"arena buffers at {bad} are not {ROW_ALIGN.value}-byte aligned")

@@ -9,6 +9,7 @@ or synchronises with the host on the hot path, so the calls can be captured in a
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,10 +35,24 @@ QUANT_KIND = {
     DispatchDtype.MXFP4: transport.QUANT_MXFP4,
 }
 TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
-COPY_BLOCK = 1024
-# Elements per store in the dispatch send: the tile is written to every destination at once.
-SEND_BLOCK = 256
-ROUTE_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Tile sizes and warps per kernel; the defaults are what measured fastest on an H200
+    (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
+
+    route_block: int = 1024
+    send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
+    copy_block: int = 1024  # 32-bit words per copy step (unquantized send, receive)
+    combine_tile: int = 1024  # elements per work item of the combine kernels
+    route_warps: int = 8
+    send_warps: int = 4
+    recv_warps: int = 4
+    combine_send_warps: int = 4
+    combine_recv_warps: int = 4
+
+
 # Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
 DEFAULT_MAX_SPINS = 1 << 26
 
@@ -69,6 +84,7 @@ class TritonProvider:
         loopback: LoopbackHub | None = None,
         programs: int | None = None,
         max_spins: int = DEFAULT_MAX_SPINS,
+        tuning: KernelTuning | None = None,
     ) -> None:
         if device.type == "cpu" and not _interpreting():
             raise RuntimeError("the triton provider on CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
@@ -76,6 +92,7 @@ class TritonProvider:
         self.device = device
         self.fp8_dtype = fp8_dtype
         self.max_spins = max_spins
+        self.tuning = tuning or KernelTuning()
         self.programs = programs or _default_programs(device)
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
@@ -100,15 +117,13 @@ class TritonProvider:
         self.weights_out = torch.empty(capacity, config.topk, dtype=torch.float32, device=device)
         self.ids_out = torch.empty(capacity, config.topk, dtype=torch.int32, device=device)
         self.num_recv = torch.zeros(1, dtype=torch.int32, device=device)
+        self._no_scales = torch.zeros(1, dtype=torch.int32, device=device)  # the scale words when none travel
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self._slot_of_pair: torch.Tensor | None = None
         self._num_tokens = 0
         self._combine_handle: CombineHandle | None = None
         self.fp8_name = TRITON_FP8[fp8_dtype]
-        block = config.combine_block
-        self.block_p2 = triton.next_power_of_2(block)
-        self.tile_blocks = max(1, 1024 // self.block_p2)
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -178,11 +193,17 @@ class TritonProvider:
             cfg.max_tokens_per_rank,
             K=cfg.topk,
             KP=triton.next_power_of_2(cfg.topk),
-            BLOCK_N=ROUTE_BLOCK,
+            BLOCK_N=self.tuning.route_block,
+            num_warps=self.tuning.route_warps,
         )
         x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
-        scale_words = scales.contiguous().view(torch.int32) if scales is not None else x
+        tile_groups = max(1, self.tuning.send_tile // group)
+        if quantize:
+            tiles = triton.cdiv(cfg.hidden // group, tile_groups)
+        else:
+            tiles = triton.cdiv(x.shape[1], self.tuning.copy_block)
+        scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
         transport.dispatch_send_kernel[(self.programs,)](
             self.arena.peer_bases,
             x,
@@ -198,16 +219,18 @@ class TritonProvider:
             **self._row_meta(layout),
             ROW_BYTES=layout.row_bytes,
             SCALE_WORDS=_words(layout.scale_bytes),
-            BLOCK=SEND_BLOCK,
+            BLOCK=self.tuning.copy_block,
+            TILES=tiles,
             PROGRAMS=self.programs,
             QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
             HIDDEN=cfg.hidden,
             GROUP=group,
-            TILE_GROUPS=SEND_BLOCK // group,
+            TILE_GROUPS=tile_groups,
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
             EMAX=formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
             enable_fp_fusion=False,
+            num_warps=self.tuning.send_warps,
         )
         self._signal(self.arena_layout.dispatch_arrivals_offset)
 
@@ -257,8 +280,9 @@ class TritonProvider:
             **self._row_meta(layout),
             ROW_WORDS=_words(layout.row_bytes),
             WP=triton.next_power_of_2(cfg.world_size),
-            BLOCK=COPY_BLOCK,
+            BLOCK=self.tuning.copy_block,
             PROGRAMS=self.programs,
+            num_warps=self.tuning.recv_warps,
         )
         self._after_receive()
         handle = CombineHandle(
@@ -287,18 +311,25 @@ class TritonProvider:
 
     def _combine_meta(self) -> dict[str, object]:
         cfg = self.config
+        block_p2 = triton.next_power_of_2(cfg.combine_block)
         return {
             "HIDDEN": cfg.hidden,
             "ROW_STRIDE": self.arena_layout.combine_row_stride,
             "FORMAT": COMBINE_FORMAT[cfg.combine_dtype],
             "BLOCK": cfg.combine_block,
-            "BLOCK_P2": self.block_p2,
-            "TILE_BLOCKS": self.tile_blocks,
+            "BLOCK_P2": block_p2,
+            "TILE_BLOCKS": max(1, self.tuning.combine_tile // block_p2),
         }
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         self._ensure_peers()
         cfg = self.config
+        meta = self._combine_meta()
+        num_blocks = cfg.hidden // cfg.combine_block
+        # The native format's sign flag covers the whole row: one item per row.
+        whole_row = cfg.combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE
+        tile_blocks = meta["TILE_BLOCKS"]
+        item_blocks = triton.cdiv(num_blocks, tile_blocks) * tile_blocks if whole_row else tile_blocks
         transport.combine_send_kernel[(self.programs,)](
             self.arena.peer_bases,
             y.contiguous(),
@@ -306,13 +337,16 @@ class TritonProvider:
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.combine_offset,
-            **self._combine_meta(),
+            **meta,
+            ITEM_BLOCKS=item_blocks,
+            ITEMS=triton.cdiv(num_blocks, item_blocks),
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
             W=cfg.world_size,
             WP=triton.next_power_of_2(cfg.world_size),
             PROGRAMS=self.programs,
             enable_fp_fusion=False,
+            num_warps=self.tuning.combine_send_warps,
         )
         self._signal(self.arena_layout.combine_arrivals_offset)
         self._combine_handle = handle
@@ -335,6 +369,7 @@ class TritonProvider:
             K=cfg.topk,
             PROGRAMS=self.programs,
             enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
+            num_warps=self.tuning.combine_recv_warps,
         )
         self._after_receive()
         return out
