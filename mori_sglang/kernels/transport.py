@@ -6,8 +6,8 @@ Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in 
     [sync: dispatch arrivals[W] | combine arrivals[W] | dispatch counts[W]]   (int64)
 
 A send kernel writes copy p of rank r into slot ``(r * max_tokens + p)`` of the destination's region;
-after it, a one-program signal kernel adds 1 to each destination's arrival counter for r (release,
-system scope; the kernel boundary orders it after every write of the send). Arrival counters only
+after it, a signal kernel adds 1 to each destination's arrival counter for r (release, system scope;
+the kernel boundary orders it after every write of the send). Arrival counters only
 grow: a one-program wait kernel on the receiver waits until every sender's counter reaches the next
 round number (acquire) and then advances the round, so no buffer is ever reset, the many programs of
 the copy kernels never contend on a flag, and a CUDA graph can replay everything. Round numbers live
@@ -47,12 +47,13 @@ def wait_kernel(arena_ptr, seq_ptr, status_ptr, max_spins, arrivals_offset, W: t
 
 
 @triton.jit
-def signal_kernel(peer_bases, arrivals_offset, rank, W: tl.constexpr):
-    """Tell every destination that this rank's writes of the round are done (one program)."""
-    for dst in range(W):
-        base = tl.load(peer_bases + dst)
-        arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
-        tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
+def signal_kernel(peer_bases, arrivals_offset, rank):
+    """Tell destination ``program_id`` that this rank's writes of the round are done (one program per
+    destination, so the system-scope releases run side by side)."""
+    dst = tl.program_id(0)
+    base = tl.load(peer_bases + dst)
+    arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
+    tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
 
 
 @triton.jit

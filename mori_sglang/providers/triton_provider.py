@@ -44,13 +44,14 @@ class KernelTuning:
 
     route_block: int = 1024
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
-    copy_block: int = 1024  # 32-bit words per copy step (unquantized send, receive)
-    combine_tile: int = 1024  # elements per work item of the combine kernels
-    route_warps: int = 8
-    send_warps: int = 4
+    copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
+    combine_tile: int = 2048  # elements per work item of the combine kernels
+    route_warps: int = 16
+    send_warps: int = 2
     recv_warps: int = 4
     combine_send_warps: int = 4
     combine_recv_warps: int = 4
+    programs_per_sm: int = 16  # the copy kernels loop over work items: enough programs to hide latency
 
 
 # Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
@@ -93,7 +94,7 @@ class TritonProvider:
         self.fp8_dtype = fp8_dtype
         self.max_spins = max_spins
         self.tuning = tuning or KernelTuning()
-        self.programs = programs or _default_programs(device)
+        self.programs = programs or _default_programs(device, self.tuning.programs_per_sm)
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
@@ -182,6 +183,8 @@ class TritonProvider:
         self._num_tokens = payload.shape[0]
         ids = ids.int().contiguous()
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
+        # One program per destination scans the tokens in blocks: no wider than the batch.
+        route_block = min(self.tuning.route_block, triton.next_power_of_2(max(self._num_tokens, 64)))
         transport.route_kernel[(cfg.world_size,)](
             ids,
             self._slot_of_pair,
@@ -193,8 +196,8 @@ class TritonProvider:
             cfg.max_tokens_per_rank,
             K=cfg.topk,
             KP=triton.next_power_of_2(cfg.topk),
-            BLOCK_N=self.tuning.route_block,
-            num_warps=self.tuning.route_warps,
+            BLOCK_N=route_block,
+            num_warps=max(1, min(self.tuning.route_warps, route_block // 64)),
         )
         x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
@@ -248,9 +251,7 @@ class TritonProvider:
         }
 
     def _signal(self, arrivals_offset: int) -> None:
-        transport.signal_kernel[(1,)](
-            self.arena.peer_bases, arrivals_offset, self.config.rank, W=self.config.world_size
-        )
+        transport.signal_kernel[(self.config.world_size,)](self.arena.peer_bases, arrivals_offset, self.config.rank)
 
     def _wait(self, round_index: int, arrivals_offset: int) -> None:
         transport.wait_kernel[(1,)](
@@ -379,8 +380,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _default_programs(device: torch.device) -> int:
+def _default_programs(device: torch.device, per_sm: int) -> int:
     """Enough programs per SM that their memory latencies overlap; two in the CPU interpreter."""
     if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 2
