@@ -39,19 +39,21 @@ TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.floa
 
 @dataclass(frozen=True)
 class KernelTuning:
-    """Tile sizes and warps per kernel; the defaults are what measured fastest on an H200
+    """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
     (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
 
     route_block: int = 1024
-    send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
-    copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
-    combine_tile: int = 2048  # elements per work item of the combine kernels
     route_warps: int = 16
-    send_warps: int = 2
+    send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
+    send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
+    send_programs_per_sm: int = 32
+    copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
+    combine_send_tile: int = 4096  # elements per work item of the combine send
     combine_send_warps: int = 4
+    combine_recv_tile: int = 2048  # elements per work item of the combine receive
     combine_recv_warps: int = 4
-    programs_per_sm: int = 16  # the copy kernels loop over work items: enough programs to hide latency
+    programs_per_sm: int = 16  # receive and combine kernels
 
 
 # Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
@@ -95,6 +97,7 @@ class TritonProvider:
         self.max_spins = max_spins
         self.tuning = tuning or KernelTuning()
         self.programs = programs or _default_programs(device, self.tuning.programs_per_sm)
+        self.send_programs = programs or _default_programs(device, self.tuning.send_programs_per_sm)
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
@@ -207,7 +210,7 @@ class TritonProvider:
         else:
             tiles = triton.cdiv(x.shape[1], self.tuning.copy_block)
         scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
-        transport.dispatch_send_kernel[(self.programs,)](
+        transport.dispatch_send_kernel[(self.send_programs,)](
             self.arena.peer_bases,
             x,
             scale_words,
@@ -224,7 +227,7 @@ class TritonProvider:
             SCALE_WORDS=_words(layout.scale_bytes),
             BLOCK=self.tuning.copy_block,
             TILES=tiles,
-            PROGRAMS=self.programs,
+            PROGRAMS=self.send_programs,
             QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
             HIDDEN=cfg.hidden,
             GROUP=group,
@@ -310,7 +313,7 @@ class TritonProvider:
 
     # -- combine ------------------------------------------------------------------------------
 
-    def _combine_meta(self) -> dict[str, object]:
+    def _combine_meta(self, tile: int) -> dict[str, object]:
         cfg = self.config
         block_p2 = triton.next_power_of_2(cfg.combine_block)
         return {
@@ -319,13 +322,13 @@ class TritonProvider:
             "FORMAT": COMBINE_FORMAT[cfg.combine_dtype],
             "BLOCK": cfg.combine_block,
             "BLOCK_P2": block_p2,
-            "TILE_BLOCKS": max(1, self.tuning.combine_tile // block_p2),
+            "TILE_BLOCKS": max(1, tile // block_p2),
         }
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         self._ensure_peers()
         cfg = self.config
-        meta = self._combine_meta()
+        meta = self._combine_meta(self.tuning.combine_send_tile)
         num_blocks = cfg.hidden // cfg.combine_block
         # The native format's sign flag covers the whole row: one item per row.
         whole_row = cfg.combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE
@@ -365,7 +368,7 @@ class TritonProvider:
             out,
             handle.num_tokens,
             self.arena_layout.combine_offset,
-            **self._combine_meta(),
+            **self._combine_meta(self.tuning.combine_recv_tile),
             FP8=self.fp8_name,
             K=cfg.topk,
             PROGRAMS=self.programs,
