@@ -124,9 +124,46 @@ def _store_all(rows, start, offsets, values, mask, present, T: tl.constexpr, KP:
 
 
 @triton.jit
+def _tokens_to(
+    ids_ptr, d, n0, num_tokens, num_experts, num_local_experts, K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """For the block of tokens from n0: which go to rank d, through which top-k slot (the first whose
+    expert lives on d), and the masks and destinations of every slot."""
+    k_offs = tl.arange(0, KP)
+    rows = n0 + tl.arange(0, BLOCK_N)
+    mask = (rows < num_tokens)[:, None] & (k_offs < K)[None, :]
+    ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1)
+    dest = tl.where((ids >= 0) & (ids < num_experts), ids // num_local_experts, -1)
+    here = (dest == d) & mask
+    first = tl.min(tl.where(here, k_offs[None, :], KP), axis=1)
+    goes = (first < KP).to(tl.int64)
+    return rows, ids, mask, dest, here, first, goes
+
+
+@triton.jit
+def route_count_kernel(
+    ids_ptr,
+    block_counts_ptr,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (d, b) counts the tokens of block b that go to rank d (the first pass of the routing
+    when the batch spans several blocks)."""
+    d = tl.program_id(0)
+    b = tl.program_id(1)
+    *_, goes = _tokens_to(ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
+    tl.store(block_counts_ptr + d * tl.num_programs(1) + b, tl.sum(goes, 0))
+
+
+@triton.jit
 def route_kernel(
     ids_ptr,
     slot_of_pair_ptr,
+    block_counts_ptr,
     send_counts_ptr,
     status_ptr,
     num_tokens,
@@ -136,40 +173,42 @@ def route_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NBP: tl.constexpr,
 ):
-    """Program d finds the tokens that go to rank d and numbers them in token order.
+    """Program (d, b) numbers the tokens of block b that go to rank d, in token order, after the
+    tokens of the earlier blocks (route_count_kernel's counts; one block needs no first pass).
 
     A token goes to d once, through its first top-k slot whose expert lives on d (the owner);
     ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
-    that point at d; program 0 also writes -1 for dropped slots (id < 0). Same result as
-    routing.plan_dispatch, in one launch.
-       An id past the last expert is dropped too, and program 0 records ``id + 1`` in ``status[1]`` so
-    that the host raises without a synchronisation on the hot path.
+    that point at d; programs (0, b) also write -1 for dropped slots (id < 0). Same result as
+    routing.plan_dispatch.
+       An id past the last expert is dropped too, and programs (0, b) record ``id + 1`` in ``status[1]``
+    so that the host raises without a synchronisation on the hot path.
     """
     d = tl.program_id(0)
+    b = tl.program_id(1)
+    nb = tl.num_programs(1)
     k_offs = tl.arange(0, KP)
-    n_offs = tl.arange(0, BLOCK_N)
-    running = tl.zeros((), dtype=tl.int64)
-    for n0 in range(0, num_tokens, BLOCK_N):
-        rows = n0 + n_offs
-        mask = (rows < num_tokens)[:, None] & (k_offs < K)[None, :]
-        ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1)
-        dest = tl.where((ids >= 0) & (ids < num_experts), ids // num_local_experts, -1)
-        here = (dest == d) & mask
-        first = tl.min(tl.where(here, k_offs[None, :], KP), axis=1)
-        goes = (first < KP).to(tl.int64)
-        position = running + tl.cumsum(goes, 0) - goes
-        owner = here & (k_offs[None, :] == first[:, None])
-        slot = tl.where(owner, d * max_tokens + position[:, None], -1)
-        out = slot_of_pair_ptr + rows[:, None] * K + k_offs[None, :]
-        tl.store(out, slot, mask=here)
-        if d == 0:
-            tl.store(out, tl.full(slot.shape, -1, tl.int64), mask=mask & (dest < 0))
-            too_big = tl.max(tl.where(mask & (ids >= num_experts), ids + 1, 0))
-            if too_big > 0:
-                tl.atomic_max(status_ptr + 1, too_big)
-        running += tl.sum(goes, 0)
-    tl.store(send_counts_ptr + d, running)
+    if NBP > 1:
+        earlier = tl.arange(0, NBP)
+        before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0)
+    else:
+        before = tl.zeros((), dtype=tl.int64)
+    rows, ids, mask, dest, here, first, goes = _tokens_to(
+        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
+    )
+    position = before + tl.cumsum(goes, 0) - goes
+    owner = here & (k_offs[None, :] == first[:, None])
+    slot = tl.where(owner, d * max_tokens + position[:, None], -1)
+    out = slot_of_pair_ptr + rows[:, None] * K + k_offs[None, :]
+    tl.store(out, slot, mask=here)
+    if d == 0:
+        tl.store(out, tl.full(slot.shape, -1, tl.int64), mask=mask & (dest < 0))
+        too_big = tl.max(tl.where(mask & (ids >= num_experts), ids + 1, 0))
+        if too_big > 0:
+            tl.atomic_max(status_ptr + 1, too_big)
+    if b == nb - 1:
+        tl.store(send_counts_ptr + d, before + tl.sum(goes, 0))
 
 
 @triton.jit
@@ -484,5 +523,5 @@ def combine_recv_kernel(
                         flagged = tl.load(scales, mask=present, other=1.0) < 0
                         s = tl.where(flagged, tl.abs(s), 1.0)
                     v = v * s[:, None]
-            acc = acc + tl.where(m, v, 0.0)
+            acc = acc + v  # masked lanes hold 0 (or are never stored)
         tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)

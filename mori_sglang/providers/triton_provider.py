@@ -42,8 +42,8 @@ class KernelTuning:
     """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
     (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
 
-    route_block: int = 1024
-    route_warps: int = 16
+    route_block: int = 256  # tokens per routing program; larger batches get more programs
+    route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
     send_programs_per_sm: int = 32
@@ -124,6 +124,9 @@ class TritonProvider:
         self._no_scales = torch.zeros(1, dtype=torch.int32, device=device)  # the scale words when none travel
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
+        # The most blocks a batch can span (a block is at least 64 tokens).
+        route_blocks = triton.cdiv(config.max_tokens_per_rank, min(64, self.tuning.route_block))
+        self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         self._slot_of_pair: torch.Tensor | None = None
         self._num_tokens = 0
         self._combine_handle: CombineHandle | None = None
@@ -186,21 +189,31 @@ class TritonProvider:
         self._num_tokens = payload.shape[0]
         ids = ids.int().contiguous()
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
-        # One program per destination scans the tokens in blocks: no wider than the batch.
-        route_block = min(self.tuning.route_block, triton.next_power_of_2(max(self._num_tokens, 64)))
-        transport.route_kernel[(cfg.world_size,)](
+        # Programs (destination, block of tokens); a batch of several blocks counts per block first.
+        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), 64))
+        blocks = max(1, triton.cdiv(self._num_tokens, route_block))
+        route_meta = {
+            "K": cfg.topk,
+            "KP": triton.next_power_of_2(cfg.topk),
+            "BLOCK_N": route_block,
+            "num_warps": max(1, min(self.tuning.route_warps, route_block // 64)),
+        }
+        if blocks > 1:
+            transport.route_count_kernel[(cfg.world_size, blocks)](
+                ids, self._block_counts, self._num_tokens, cfg.num_experts, cfg.num_local_experts, **route_meta
+            )
+        transport.route_kernel[(cfg.world_size, blocks)](
             ids,
             self._slot_of_pair,
+            self._block_counts,
             self.send_counts,
             self.status,
             self._num_tokens,
             cfg.num_experts,
             cfg.num_local_experts,
             cfg.max_tokens_per_rank,
-            K=cfg.topk,
-            KP=triton.next_power_of_2(cfg.topk),
-            BLOCK_N=route_block,
-            num_warps=max(1, min(self.tuning.route_warps, route_block // 64)),
+            NBP=triton.next_power_of_2(blocks) if blocks > 1 else 1,
+            **route_meta,
         )
         x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
