@@ -155,7 +155,9 @@ def route_count_kernel(
     when the batch spans several blocks)."""
     d = tl.program_id(0)
     b = tl.program_id(1)
-    *_, goes = _tokens_to(ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
+    _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
+        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
+    )
     tl.store(block_counts_ptr + d * tl.num_programs(1) + b, tl.sum(goes, 0))
 
 
