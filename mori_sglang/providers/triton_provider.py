@@ -49,10 +49,12 @@ class KernelTuning:
     send_programs_per_sm: int = 32
     copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
-    combine_send_tile: int = 4096  # elements per work item of the combine send
-    combine_send_warps: int = 4
-    combine_recv_tile: int = 2048  # elements per work item of the combine receive
+    combine_send_tile: int = 8192  # elements per work item of the combine send
+    combine_send_warps: int = 8
+    combine_recv_tile: int = 2048  # elements per work item of the combine receive, bf16 rows
     combine_recv_warps: int = 4
+    combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
+    combine_recv_warps_fp8: int = 2
     programs_per_sm: int = 16  # receive and combine kernels
 
 
@@ -375,18 +377,23 @@ class TritonProvider:
         cfg = self.config
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=self.device)
         self._wait(1, self.arena_layout.combine_arrivals_offset)
+        tuning = self.tuning
+        if cfg.combine_dtype is CombineDtype.BF16:
+            tile, warps = tuning.combine_recv_tile, tuning.combine_recv_warps
+        else:
+            tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         transport.combine_recv_kernel[(self.programs,)](
             self.arena.base,
             handle.slot_of_pair,
             out,
             handle.num_tokens,
             self.arena_layout.combine_offset,
-            **self._combine_meta(self.tuning.combine_recv_tile),
+            **self._combine_meta(tile),
             FP8=self.fp8_name,
             K=cfg.topk,
             PROGRAMS=self.programs,
             enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
-            num_warps=self.tuning.combine_recv_warps,
+            num_warps=warps,
         )
         self._after_receive()
         return out
