@@ -89,9 +89,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "SGLANG_MORI_BACKEND",
         "auto",
-        "Provider: triton (our kernels over symmetric memory), torch (torch.distributed all_to_all). "
-        "auto: triton on a GPU, else torch. mori names the native MoRI library; it is refused with an error "
-        "until that provider is wired in.",
+        "Provider: mori (the native MoRI library's HIP kernels), triton (our kernels over symmetric memory), "
+        "torch (torch.distributed all_to_all). auto: mori on a GPU where `import mori` works, else triton on "
+        "a GPU, else torch.",
         ("auto", "mori", "triton", "torch"),
     ),
     EnvVar(

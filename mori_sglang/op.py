@@ -43,13 +43,15 @@ class EpDispatchCombineOp:
         self.config = config
         self.device = _normalize_device(device)
         self.fp8_dtype = config.fp8_dtype or formats.fp8_dtype_for_device(self.device)
-        if config.combine_dtype not in SUPPORTED_COMBINE:
-            accepted = ", ".join(d.value for d in SUPPORTED_COMBINE)
+        self.provider_kind = resolve_provider(config.provider, self.device)
+        supported = SUPPORTED_COMBINE + ((CombineDtype.FP4_BLOCKWISE,) if self.provider_kind is Provider.MORI else ())
+        if config.combine_dtype not in supported:
+            accepted = ", ".join(d.value for d in supported)
             raise ConfigError(
                 f"SGLANG_MORI_COMBINE_DTYPE: combine dtype {config.combine_dtype.value} is only provided by "
-                f"native MoRI on gfx950; this provider accepts: {accepted}"
+                f"native MoRI on gfx950; the {self.provider_kind.value} provider accepts: {accepted}"
             )
-        if config.combine_dtype is not CombineDtype.BF16:
+        if config.combine_dtype in SUPPORTED_COMBINE and config.combine_dtype is not CombineDtype.BF16:
             formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.token_bytes = formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden)
         self.scale_bytes = (
@@ -59,7 +61,6 @@ class EpDispatchCombineOp:
         )
         self.layout = formats.DispatchRowLayout(self.token_bytes, self.scale_bytes, config.topk)
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
-        self.provider_kind = resolve_provider(config.provider, self.device)
         if self.provider_kind is Provider.TRITON:
             from mori_sglang.providers.triton_provider import TritonProvider
 
@@ -68,9 +69,12 @@ class EpDispatchCombineOp:
             )
             return
         if self.provider_kind is Provider.MORI:
-            raise ConfigError(
-                "SGLANG_MORI_BACKEND=mori: the native MoRI provider is not wired in yet; use triton or torch"
-            )
+            if loopback is not None:
+                raise ConfigError("the native MoRI provider runs on real ranks; a loopback world takes triton or torch")
+            from mori_sglang.providers.mori_provider import MoriProvider
+
+            self.provider = MoriProvider(config, self.device, self.layout, self.payload_dtype, group)
+            return
         exchange: Exchange
         if loopback is not None:
             if loopback.world_size != config.world_size:

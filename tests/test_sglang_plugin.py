@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from mori_sglang.env import EnvError  # noqa: E402
 from mori_sglang.integrations.sglang import plugin  # noqa: E402
 from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher  # noqa: E402
 from mori_sglang.op import InputError  # noqa: E402
+from mori_sglang.providers.mori_provider import finalize_shmem  # noqa: E402
 
 # Captured before any test loads the plugins, inside a tuple: the registry rebinds every module-level
 # name that holds the replaced class.
@@ -595,7 +597,16 @@ def error_bound(magnitude: torch.Tensor, combine: CombineDtype, world_size: int)
     return relative + world_size * 2.0**-10 * block_scale
 
 
-def check_layer(world_size: int, mode_name: str, seed: int, dispatch: DispatchDtype, combine: CombineDtype, tp) -> None:
+def check_layer(
+    world_size: int,
+    mode_name: str,
+    seed: int,
+    dispatch: DispatchDtype,
+    combine: CombineDtype,
+    tp,
+    bound: CombineDtype | None = None,
+) -> None:
+    """``bound``: the combine format whose error bound applies (default: ``combine``)."""
     rank = tp.rank_in_group
     deepep_mode = LAYER_MODES[mode_name][0]
     layer = Layer(seed)
@@ -635,7 +646,7 @@ def check_layer(world_size: int, mode_name: str, seed: int, dispatch: DispatchDt
             assert out.num_recv_tokens_per_expert.tolist() == [arrivals], where
             want, magnitude = reference(layer, x, topk, dispatch)
             assert got.shape == (x.shape[0], HIDDEN) and got.dtype == torch.bfloat16, where
-            excess = (got.double() - want).abs() - error_bound(magnitude, combine, world_size)
+            excess = (got.double() - want).abs() - error_bound(magnitude, bound or combine, world_size)
             worst = float(excess.max()) if excess.numel() else 0.0
             assert worst <= 0, f"{where}: error exceeds its bound by {worst}"
 
@@ -653,6 +664,44 @@ def _layer_worker(rank: int, world_size: int, seed: int) -> None:
             os.environ["SGLANG_MORI_DISPATCH_DTYPE"] = DISPATCH_VALUES[dispatch]
             os.environ["SGLANG_MORI_COMBINE_DTYPE"] = COMBINE_VALUES[combine]
             check_layer(world_size, mode_name, seed, dispatch, combine, tp)
+
+
+def _mori_layer_worker(rank: int, world_size: int, seed: int) -> None:
+    """The same layer through SGLANG_MORI_BACKEND=mori, over the MoRI stand-in (tests/fake_mori)."""
+    sys.path.insert(0, str(Path(__file__).parent / "fake_mori"))
+    for name in list(os.environ):
+        if name.startswith(("SGLANG_MORI_", "MORI_")):
+            del os.environ[name]
+    os.environ[CAP_VAR] = str(LAYER_CAP)
+    os.environ["SGLANG_MORI_BACKEND"] = "mori"
+    load_plugins()
+    try:
+        _mori_layer_checks(rank, world_size, seed)
+    finally:
+        finalize_shmem()
+
+
+def _mori_layer_checks(rank: int, world_size: int, seed: int) -> None:
+    tp = tp_coordinator(world_size, rank)
+    for mode_name, (_, split) in LAYER_MODES.items():
+        os.environ["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] = split
+        for dispatch, combine in [(B, CB), (F8, CF8), (F4, CCAST)]:
+            os.environ["SGLANG_MORI_DISPATCH_DTYPE"] = DISPATCH_VALUES[dispatch]
+            os.environ["SGLANG_MORI_COMBINE_DTYPE"] = COMBINE_VALUES[combine]
+            # MoRI's blockwise scales only blocks above the fp8 range: below it, the direct cast's bound.
+            check_layer(world_size, mode_name, seed, dispatch, combine, tp, bound=combine if combine is CB else CCAST)
+    import mori
+
+    ops = mori.ops.EpDispatchCombineOp.instances
+    assert ops and all(op.calls for op in ops), "the layer did not run through MoRI"
+    kinds = {op.config.kernel_type.name for op in ops}
+    assert kinds == {"IntraNode", "AsyncLL"}, kinds
+
+
+def test_moe_layer_through_native_mori_equals_the_layer_without(seed: int, tmp_path: Path) -> None:
+    """SGLANG_MORI_BACKEND=mori: SGLang's factory builds our dispatcher over the MoRI provider, and the
+    layer matches the one without expert parallelism in every mode."""
+    run_gloo(2, _mori_layer_worker, (seed,), tmp_path)
 
 
 @pytest.mark.slow

@@ -18,8 +18,11 @@ def triton_available() -> bool:
 
 
 def resolve_provider(requested: Provider, device: torch.device) -> Provider:
-    """auto: our Triton kernels on a GPU, else torch.distributed."""
+    """auto: native MoRI on a GPU where it imports (AMD), else our Triton kernels on a GPU, else
+    torch.distributed. ROCm builds of torch name their GPUs "cuda" too."""
     if requested is Provider.AUTO:
+        if device.type == "cuda" and mori_available():
+            return Provider.MORI
         if triton_available() and device.type == "cuda":
             return Provider.TRITON
         return Provider.TORCH

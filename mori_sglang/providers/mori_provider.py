@@ -1,0 +1,235 @@
+"""The native MoRI provider: AMD's compiled HIP kernels (``mori.ops.EpDispatchCombineOp``) behind our op API.
+
+It configures MoRI the way SGLang's own ``moriep.py`` does (kernel type per mode, blocks and warps per
+kernel, scale rows, ``quant_type`` per combine dtype) and adapts the results to ``DispatchOutput``:
+
+- scale rows travel as opaque bytes already padded to their 128 B stride with zero pads, so the receiver
+  gets the same strided view as from our other providers;
+- the combine returns the per-token sum of the (weighted) expert outputs, sliced to the batch;
+- with the native kernels the fp8 blockwise combine is MoRI's own format (its scales, see
+  ``formats.FP8_BLOCKWISE_NATIVE``) whichever of our two blockwise names is configured, since MoRI's
+  kernels write the wire rows.
+
+Received rows come in MoRI's order. MoRI allocates symmetric memory for the op, so building one is a
+collective over the group, as is the shmem bootstrap done once per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mori_sglang import formats
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.types import CombineHandle, DispatchOutput
+
+# The name MoRI's shmem bootstrap looks the process group up by (the one SGLang and vLLM register).
+SHMEM_GROUP_NAME = "mori"
+
+QUANT_TYPE = {
+    CombineDtype.BF16: "none",
+    CombineDtype.FP8_DIRECT_CAST: "fp8_direct_cast",
+    CombineDtype.FP8_BLOCKWISE: "fp8_blockwise",
+    CombineDtype.FP8_BLOCKWISE_NATIVE: "fp8_blockwise",
+    CombineDtype.FP4_BLOCKWISE: "fp4_blockwise",
+}
+
+# (warps per block, blocks, RDMA blocks) per kernel type, as SGLang launches them.
+LAUNCH = {
+    "IntraNode": (16, 80, 0),
+    "InterNodeV1": (8, 64, 32),
+    "AsyncLL": (8, 64, 32),
+}
+
+_shmem_ready = False
+
+
+def kernel_type_name(config: EpConfig) -> str:
+    """IntraNode within a node, InterNodeV1 across nodes; the split kinds (low latency, and split
+    mode's async combine) need AsyncLL, the only kernel with separate send and receive calls."""
+    if config.mode is not Mode.INTRANODE:
+        return "AsyncLL"
+    return "IntraNode" if config.world_size <= 8 else "InterNodeV1"
+
+
+def _init_shmem(group: dist.ProcessGroup) -> None:
+    """Register ``group`` under MoRI's name and bootstrap its shmem over it, once per process."""
+    global _shmem_ready
+    if _shmem_ready:
+        return
+    import mori
+
+    try:
+        torch._C._distributed_c10d._register_process_group(SHMEM_GROUP_NAME, group)
+    except RuntimeError as err:  # registered by an earlier op or by the serving framework
+        if "already" not in str(err):
+            raise
+    mori.shmem.shmem_torch_process_group_init(SHMEM_GROUP_NAME)
+    _shmem_ready = True
+
+
+def finalize_shmem() -> None:
+    """Tear MoRI's shmem down and drop the group registration (before the process group is destroyed)."""
+    global _shmem_ready
+    if not _shmem_ready:
+        return
+    import mori
+
+    mori.shmem.shmem_finalize()
+    torch._C._distributed_c10d._unregister_process_group(SHMEM_GROUP_NAME)
+    _shmem_ready = False
+
+
+def mori_token_dtype(config: EpConfig, payload_dtype: torch.dtype) -> torch.dtype:
+    """The element type MoRI is told its tokens have: packed e2m1 pairs for fp4 (as SGLang passes them)."""
+    return torch.float4_e2m1fn_x2 if config.dispatch_dtype is DispatchDtype.MXFP4 else payload_dtype
+
+
+def mori_config_kwargs(
+    config: EpConfig, layout: formats.DispatchRowLayout, payload_dtype: torch.dtype
+) -> dict[str, Any]:
+    """The ``EpDispatchCombineConfig`` fields for ``config`` (kernel type by name)."""
+    warps, blocks, rdma_blocks = LAUNCH[kernel_type_name(config)]
+    return {
+        "data_type": mori_token_dtype(config, payload_dtype),
+        "rank": config.rank,
+        "world_size": config.world_size,
+        "hidden_dim": config.hidden,
+        # Opaque scale rows: bytes, already padded to the stride the receiver reads them with.
+        "scale_dim": layout.scale_stride if layout.scale_bytes else 0,
+        "scale_type_size": 1 if layout.scale_bytes else 0,
+        "max_token_type_size": max(torch.empty((), dtype=torch.bfloat16).element_size(), _itemsize(payload_dtype)),
+        "max_num_inp_token_per_rank": config.max_tokens_per_rank,
+        "num_experts_per_rank": config.num_local_experts,
+        "num_experts_per_token": config.topk,
+        "warp_num_per_block": warps,
+        "block_num": blocks,
+        "use_external_inp_buf": True,
+        "gpu_per_node": min(8, config.world_size),
+        "rdma_block_num": rdma_blocks,
+        "num_qp_per_pe": 2,
+        "quant_type": QUANT_TYPE[config.combine_dtype],
+    }
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class MoriProvider:
+    """Our op API over one ``mori.ops.EpDispatchCombineOp``."""
+
+    name = "mori"
+    fused_quantization: frozenset[DispatchDtype] = frozenset()
+    checks_ids_on_device = False
+
+    def __init__(
+        self,
+        config: EpConfig,
+        device: torch.device,
+        layout: formats.DispatchRowLayout,
+        payload_dtype: torch.dtype,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        import mori
+
+        if config.combine_dtype is CombineDtype.FP4_BLOCKWISE and config.mode is Mode.LOW_LATENCY:
+            raise ConfigError("SGLANG_MORI_COMBINE_DTYPE=fp4 needs MoRI's IntraNode kernel: use normal mode")
+        _init_shmem(group or dist.group.WORLD)
+        self.config = config
+        self.device = device
+        self.layout = layout
+        kwargs = mori_config_kwargs(config, layout, payload_dtype)
+        self.token_dtype = kwargs["data_type"]
+        kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, kernel_type_name(config))
+        # Older MoRI releases lack some fields (quant_type, rdma_block_num...): pass what this one has.
+        fields = {f.name for f in dataclasses.fields(mori.ops.EpDispatchCombineConfig)}
+        if kwargs["quant_type"] != "none" and "quant_type" not in fields:
+            raise ConfigError(
+                f"SGLANG_MORI_COMBINE_DTYPE={config.combine_dtype.value}: this MoRI has no quantized combine; "
+                "use bf16 or upgrade MoRI"
+            )
+        self.op = mori.ops.EpDispatchCombineOp(
+            mori.ops.EpDispatchCombineConfig(**{k: v for k, v in kwargs.items() if k in fields})
+        )
+        self._split = kernel_type_name(config) == "AsyncLL"
+        self._ids: torch.Tensor | None = None
+        self._dispatched: tuple | None = None
+        self._combined: torch.Tensor | None = None
+        self._num_tokens = 0
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def dispatch_send(
+        self,
+        payload: torch.Tensor,
+        scales: torch.Tensor | None,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        layout: formats.DispatchRowLayout,
+        quantize: bool = False,
+    ) -> None:
+        if quantize:
+            raise RuntimeError("the MoRI provider carries pre-quantized tokens (it fuses no quantization)")
+        self._num_tokens = payload.shape[0]
+        self._ids = ids.to(torch.int32).contiguous()
+        padded = None
+        if layout.scale_bytes:
+            padded = torch.zeros(payload.shape[0], layout.scale_stride, dtype=torch.uint8, device=payload.device)
+            padded[:, : layout.scale_bytes] = scales
+        tokens = payload.contiguous().view(self.token_dtype)
+        args = (tokens, weights.to(torch.float32).contiguous(), padded, self._ids)
+        if self._split:
+            self.op.dispatch_send(*args)
+            self._dispatched = None
+        else:
+            self._dispatched = self.op.dispatch(*args)
+
+    def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
+        if self._ids is None:
+            raise RuntimeError("dispatch_recv called without a dispatch_send before it")
+        received = self.op.dispatch_recv() if self._split else self._dispatched
+        tokens, weights, scales, ids, num_recv = received[:5]
+        self._dispatched = None
+        scale_view = scales.view(torch.uint8)[:, : layout.scale_bytes] if layout.scale_bytes else None
+        handle = CombineHandle(
+            num_tokens=self._num_tokens,
+            copy_of_pair=self._ids,
+            slot_of_pair=self._ids,
+            recv_src=None,
+            recv_pos=None,
+            recv_counts=num_recv,
+            num_recv=num_recv,
+        )
+        return DispatchOutput(
+            tokens=tokens.view(torch.uint8).view(token_dtype),
+            topk_weights=weights,
+            topk_ids=ids,
+            scales=scale_view,
+            scale_stride=layout.scale_stride,
+            num_recv=num_recv,
+            handle=handle,
+        )
+
+    # -- combine ------------------------------------------------------------------------------
+
+    def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        """MoRI sums the returned rows unweighted: the expert side applied the weights already."""
+        ids = handle.copy_of_pair  # this rank's own routing, which MoRI's combine takes
+        y = y.to(torch.bfloat16).contiguous()
+        self._num_tokens = handle.num_tokens
+        if self._split:
+            self.op.combine_send(y, None, ids)
+            self._combined = None
+        else:
+            self._combined = self.op.combine(y, None, ids)[0]
+
+    def combine_recv(self) -> torch.Tensor:
+        out = self.op.combine_recv()[0] if self._split else self._combined
+        if out is None:
+            raise RuntimeError("combine_recv called without a combine_send before it")
+        self._combined = None
+        return out[: self._num_tokens]
