@@ -43,7 +43,7 @@ class EpDispatchCombineOp:
         self.config = config
         self.device = _normalize_device(device)
         self.fp8_dtype = config.fp8_dtype or formats.fp8_dtype_for_device(self.device)
-        self.provider_kind = resolve_provider(config.provider, self.device)
+        self.provider_kind = resolve_provider(config.provider, self.device, real_ranks=loopback is None)
         supported = SUPPORTED_COMBINE + ((CombineDtype.FP4_BLOCKWISE,) if self.provider_kind is Provider.MORI else ())
         if config.combine_dtype not in supported:
             accepted = ", ".join(d.value for d in supported)

@@ -18,7 +18,9 @@ class CombineHandle:
     Source side: ``copy_of_pair`` / ``slot_of_pair`` address the copy of token n sent for top-k slot k
     (-1 where none). Expert side: ``recv_src`` / ``recv_pos`` are each received row's source rank and
     position within that source; ``recv_counts`` are rows per source. Host lists are present only where
-    the intranode dispatch already synchronised; the low-latency path never reads them.
+    the intranode dispatch already synchronised; the low-latency path never reads them. The native MoRI
+    provider keeps this rank's top-k ids in ``copy_of_pair`` / ``slot_of_pair`` (MoRI's combine takes
+    them) and the received row count in ``recv_counts``.
     """
 
     num_tokens: int

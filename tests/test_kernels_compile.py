@@ -69,7 +69,8 @@ def _describe(name: str, fn, args: tuple, kwargs: dict) -> dict:
             constants[pname] = {"dtype": str(value)} if isinstance(value, tl.dtype) else value
         elif isinstance(value, torch.Tensor):
             signature[pname] = "*" + TORCH_TO_TRITON[value.dtype]
-            aligned.append(pname)  # torch allocations are at least 16-byte aligned
+            if value.data_ptr() % 16 == 0:  # Triton specializes 16-byte aligned pointers
+                aligned.append(pname)
         else:
             signature[pname] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0:

@@ -5,8 +5,10 @@ provider's. The stand-in checks every call's shapes, dtypes and kernel type as M
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +18,21 @@ from mori_sglang import formats, providers
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
-from mori_sglang.providers.mori_provider import finalize_shmem, kernel_type_name, mori_config_kwargs
+from mori_sglang.providers.device_status import DeviceStatus
+from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, kernel_type_name, mori_config_kwargs
+from mori_sglang.types import InputError
 
 FAKE_MORI = str(Path(__file__).parent / "fake_mori")
 HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 256, 8, 3, 6
+
+
+@pytest.fixture
+def fake_mori(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The stand-in importable as ``mori`` for one test, and forgotten afterwards."""
+    monkeypatch.syspath_prepend(FAKE_MORI)
+    yield
+    for name in [m for m in sys.modules if m == "mori" or m.startswith("mori.")]:
+        del sys.modules[name]
 
 
 def test_auto_picks_native_mori_on_a_gpu_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,6 +90,36 @@ def test_a_loopback_world_refuses_native_mori(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(providers, "mori_available", lambda: True)
     with pytest.raises(ConfigError, match="native MoRI provider runs on real ranks"):
         LoopbackWorld(EpConfig(2, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="mori"))
+    assert providers.resolve_provider(Provider.AUTO, torch.device("cuda", 0), real_ranks=False) is not Provider.MORI
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "combine"),
+    [
+        (Mode.LOW_LATENCY, 8, CombineDtype.FP4_BLOCKWISE),
+        (Mode.SPLIT, 8, CombineDtype.FP4_BLOCKWISE),
+        (Mode.INTRANODE, 16, CombineDtype.FP4_BLOCKWISE),
+        (Mode.INTRANODE, 16, CombineDtype.FP8_BLOCKWISE),
+    ],
+)
+def test_combine_quantization_a_mori_kernel_lacks_is_refused(
+    fake_mori: None, mode: Mode, world: int, combine: CombineDtype
+) -> None:
+    cfg = EpConfig(world, 0, 7168, 256, 8, mode=mode, dispatch_dtype=DispatchDtype.MXFP4, combine_dtype=combine)
+    layout = formats.DispatchRowLayout(3584, 224, 8)
+    with pytest.raises(ConfigError, match=f"SGLANG_MORI_COMBINE_DTYPE={combine.value} is not offered by MoRI"):
+        MoriProvider(cfg, torch.device("cpu"), layout, torch.uint8)
+
+
+def test_ids_past_the_last_expert_are_dropped_and_flagged_on_the_device() -> None:
+    cfg = EpConfig(2, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS)
+    provider = SimpleNamespace(config=cfg, _status=DeviceStatus(1, torch.device("cpu")))
+    ids = torch.tensor([[0, 7, -1], [8, 3, 12]])
+    checked = MoriProvider._checked_ids(provider, ids)
+    assert checked.dtype == torch.int32 and checked.tolist() == [[0, 7, -1], [-1, 3, -1]]
+    with pytest.raises(InputError, match="topk_ids held expert 12"):
+        MoriProvider.check_status(provider)
+    MoriProvider.check_status(provider)  # cleared once raised
 
 
 CASES = [

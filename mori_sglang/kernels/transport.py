@@ -237,6 +237,7 @@ def dispatch_send_kernel(
     KP: tl.constexpr,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
     TILES: tl.constexpr,
     PROGRAMS: tl.constexpr,
     QUANT: tl.constexpr,
@@ -309,11 +310,13 @@ def dispatch_send_kernel(
             value = tl.load(x_ptr + n * TOKEN_WORDS + word, mask=word < TOKEN_WORDS)
             _store_all(rows, 0, word, value, word < TOKEN_WORDS, present, BLOCK, KP)
         if tile == 0:
+            # The scale region (copied, or its zero pad after the quantized scales) in one step.
             first_pad = SCALE_WORDS if QUANT else 0
-            for start in range(first_pad, STRIDE_WORDS, BLOCK):
-                word = start + offs
-                scale_words = tl.load(scales_ptr + n * SCALE_WORDS + word, mask=word < SCALE_WORDS, other=0)
-                _store_all(rows, SCALE_AT * 4, word, scale_words, word < STRIDE_WORDS, present, BLOCK, KP)
+            in_row = tl.arange(0, PAD_BLOCK)
+            region = (in_row >= first_pad) & (in_row < STRIDE_WORDS)
+            src = scales_ptr + n * SCALE_WORDS + in_row
+            scale_words = tl.load(src, mask=region & (in_row < SCALE_WORDS), other=0)
+            _store_all(rows, SCALE_AT * 4, in_row, scale_words, region, present, PAD_BLOCK, KP)
             weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask)
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
             ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)

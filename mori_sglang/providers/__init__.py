@@ -17,11 +17,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_provider(requested: Provider, device: torch.device) -> Provider:
-    """auto: native MoRI on a GPU where it imports (AMD), else our Triton kernels on a GPU, else
-    torch.distributed. ROCm builds of torch name their GPUs "cuda" too."""
+def resolve_provider(requested: Provider, device: torch.device, *, real_ranks: bool = True) -> Provider:
+    """auto: native MoRI on a GPU where it imports (AMD) and the ranks are real processes, else our
+    Triton kernels on a GPU, else torch.distributed. ROCm builds of torch name their GPUs "cuda" too."""
     if requested is Provider.AUTO:
-        if device.type == "cuda" and mori_available():
+        if device.type == "cuda" and real_ranks and mori_available():
             return Provider.MORI
         if triton_available() and device.type == "cuda":
             return Provider.TRITON

@@ -1,7 +1,8 @@
 """The native MoRI provider: AMD's compiled HIP kernels (``mori.ops.EpDispatchCombineOp``) behind our op API.
 
-It configures MoRI the way SGLang's own ``moriep.py`` does (kernel type per mode, blocks and warps per
-kernel, scale rows, ``quant_type`` per combine dtype) and adapts the results to ``DispatchOutput``:
+It configures MoRI as SGLang's own ``moriep.py`` does (kernel type per mode; its blocks and warps for
+the IntraNode, InterNodeV1 and AsyncLL kernels; ``quant_type`` per combine dtype) and adapts the
+results to ``DispatchOutput``:
 
 - scale rows travel as opaque bytes already padded to their 128 B stride with zero pads, so the receiver
   gets the same strided view as from our other providers;
@@ -11,7 +12,10 @@ kernel, scale rows, ``quant_type`` per combine dtype) and adapts the results to 
   kernels write the wire rows.
 
 Received rows come in MoRI's order. MoRI allocates symmetric memory for the op, so building one is a
-collective over the group, as is the shmem bootstrap done once per process.
+collective over the group, as is the shmem bootstrap done once per process. MoRI's split kernel
+(AsyncLL) returns its outputs from the ``*_send`` calls; they hold the data once ``*_recv`` returned.
+Expert ids past the last expert are sent as dropped (-1) and raised one call later, without a host
+synchronisation (as the Triton provider does).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch.distributed as dist
 
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
-from mori_sglang.types import CombineHandle, DispatchOutput
+from mori_sglang.providers.device_status import DeviceStatus
+from mori_sglang.types import CombineHandle, DispatchOutput, InputError
 
 # The name MoRI's shmem bootstrap looks the process group up by (the one SGLang and vLLM register).
 SHMEM_GROUP_NAME = "mori"
@@ -55,18 +60,29 @@ def kernel_type_name(config: EpConfig) -> str:
     return "IntraNode" if config.world_size <= 8 else "InterNodeV1"
 
 
+def _bootstrap_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """MoRI's bootstrap exchanges host buffers: a gloo group over the same ranks (SGLang and vLLM
+    hand it their CPU group). Building one is a collective over the default group."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+
+
 def _init_shmem(group: dist.ProcessGroup) -> None:
-    """Register ``group`` under MoRI's name and bootstrap its shmem over it, once per process."""
+    """Register a CPU group under MoRI's name and bootstrap MoRI's shmem over it, once per process. A
+    name registered already means the serving framework bootstrapped MoRI itself."""
     global _shmem_ready
     if _shmem_ready:
         return
     import mori
 
     try:
-        torch._C._distributed_c10d._register_process_group(SHMEM_GROUP_NAME, group)
-    except RuntimeError as err:  # registered by an earlier op or by the serving framework
+        torch._C._distributed_c10d._register_process_group(SHMEM_GROUP_NAME, _bootstrap_group(group))
+    except RuntimeError as err:
         if "already" not in str(err):
             raise
+        _shmem_ready = True
+        return
     mori.shmem.shmem_torch_process_group_init(SHMEM_GROUP_NAME)
     _shmem_ready = True
 
@@ -101,7 +117,7 @@ def mori_config_kwargs(
         # Opaque scale rows: bytes, already padded to the stride the receiver reads them with.
         "scale_dim": layout.scale_stride if layout.scale_bytes else 0,
         "scale_type_size": 1 if layout.scale_bytes else 0,
-        "max_token_type_size": max(torch.empty((), dtype=torch.bfloat16).element_size(), _itemsize(payload_dtype)),
+        "max_token_type_size": max(torch.bfloat16.itemsize, payload_dtype.itemsize),
         "max_num_inp_token_per_rank": config.max_tokens_per_rank,
         "num_experts_per_rank": config.num_local_experts,
         "num_experts_per_token": config.topk,
@@ -115,16 +131,11 @@ def mori_config_kwargs(
     }
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class MoriProvider:
     """Our op API over one ``mori.ops.EpDispatchCombineOp``."""
 
     name = "mori"
     fused_quantization: frozenset[DispatchDtype] = frozenset()
-    checks_ids_on_device = False
 
     def __init__(
         self,
@@ -136,15 +147,22 @@ class MoriProvider:
     ) -> None:
         import mori
 
-        if config.combine_dtype is CombineDtype.FP4_BLOCKWISE and config.mode is Mode.LOW_LATENCY:
-            raise ConfigError("SGLANG_MORI_COMBINE_DTYPE=fp4 needs MoRI's IntraNode kernel: use normal mode")
+        kernel = kernel_type_name(config)
+        # MoRI quantizes the combine only in some kernels: fp4 in IntraNode, fp8 blockwise not across nodes.
+        if (config.combine_dtype is CombineDtype.FP4_BLOCKWISE and kernel != "IntraNode") or (
+            QUANT_TYPE[config.combine_dtype] == "fp8_blockwise" and kernel == "InterNodeV1"
+        ):
+            raise ConfigError(
+                f"SGLANG_MORI_COMBINE_DTYPE={config.combine_dtype.value} is not offered by MoRI's {kernel} kernel "
+                f"(mode {config.mode.value}, {config.world_size} ranks); use bf16 or fp8_direct_cast there"
+            )
         _init_shmem(group or dist.group.WORLD)
         self.config = config
         self.device = device
         self.layout = layout
         kwargs = mori_config_kwargs(config, layout, payload_dtype)
         self.token_dtype = kwargs["data_type"]
-        kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, kernel_type_name(config))
+        kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, kernel)
         # Older MoRI releases lack some fields (quant_type, rdma_block_num...): pass what this one has.
         fields = {f.name for f in dataclasses.fields(mori.ops.EpDispatchCombineConfig)}
         if kwargs["quant_type"] != "none" and "quant_type" not in fields:
@@ -155,11 +173,32 @@ class MoriProvider:
         self.op = mori.ops.EpDispatchCombineOp(
             mori.ops.EpDispatchCombineConfig(**{k: v for k, v in kwargs.items() if k in fields})
         )
-        self._split = kernel_type_name(config) == "AsyncLL"
+        self._split = kernel == "AsyncLL"
+        # On a GPU the ids are checked on the device and a bad one raises at the next receive; on CPU
+        # the op checks them before sending (a synchronisation costs nothing there).
+        self.checks_ids_on_device = device.type == "cuda"
+        self._status = DeviceStatus(1, device)  # 1 + the largest expert id past the last expert
         self._ids: torch.Tensor | None = None
         self._dispatched: tuple | None = None
         self._combined: torch.Tensor | None = None
         self._num_tokens = 0
+
+    def check_status(self) -> None:
+        """Raise if a dispatch met an expert id past the last expert (those copies were dropped)."""
+        (bad_id,) = self._status.read()
+        if bad_id:
+            raise InputError(
+                f"topk_ids held expert {bad_id - 1}; valid ids are [0, {self.config.num_experts}) or < 0 to "
+                "drop (those copies were dropped)"
+            )
+
+    def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """int32 ids with those past the last expert dropped (-1) and flagged, all on the device."""
+        ids = ids.to(torch.int32)
+        over = ids >= self.config.num_experts
+        flag = torch.where(over, ids + 1, 0).amax() if ids.numel() else self._status.flags[0]
+        torch.maximum(self._status.flags[0], flag, out=self._status.flags[0])
+        return torch.where(over, -1, ids).contiguous()
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -175,27 +214,32 @@ class MoriProvider:
         if quantize:
             raise RuntimeError("the MoRI provider carries pre-quantized tokens (it fuses no quantization)")
         self._num_tokens = payload.shape[0]
-        self._ids = ids.to(torch.int32).contiguous()
+        self._ids = self._checked_ids(ids)
         padded = None
         if layout.scale_bytes:
             padded = torch.zeros(payload.shape[0], layout.scale_stride, dtype=torch.uint8, device=payload.device)
             padded[:, : layout.scale_bytes] = scales
         tokens = payload.contiguous().view(self.token_dtype)
         args = (tokens, weights.to(torch.float32).contiguous(), padded, self._ids)
-        if self._split:
-            self.op.dispatch_send(*args)
-            self._dispatched = None
-        else:
-            self._dispatched = self.op.dispatch(*args)
+        # AsyncLL hands its output buffers back from the send; dispatch_recv fills them.
+        self._dispatched = self.op.dispatch_send(*args) if self._split else self.op.dispatch(*args)
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
-        if self._ids is None:
+        if self._dispatched is None:
             raise RuntimeError("dispatch_recv called without a dispatch_send before it")
-        received = self.op.dispatch_recv() if self._split else self._dispatched
-        tokens, weights, scales, ids, num_recv = received[:5]
+        if self._split:
+            self.op.dispatch_recv()
+        if self._status.pending():
+            self.check_status()
+        self._status.publish()
+        tokens, weights, scales, ids, num_recv = self._dispatched[:5]
         self._dispatched = None
-        scale_view = scales.view(torch.uint8)[:, : layout.scale_bytes] if layout.scale_bytes else None
-        handle = CombineHandle(
+        scale_view = None
+        if layout.scale_bytes:
+            if scales is None:  # some MoRI releases return none for an empty batch
+                scales = torch.zeros(tokens.shape[0], layout.scale_stride, dtype=torch.uint8, device=tokens.device)
+            scale_view = scales.view(torch.uint8)[:, : layout.scale_bytes]
+        handle = CombineHandle(  # MoRI's combine takes this rank's own ids: they stand in for the slots
             num_tokens=self._num_tokens,
             copy_of_pair=self._ids,
             slot_of_pair=self._ids,
@@ -221,15 +265,13 @@ class MoriProvider:
         ids = handle.copy_of_pair  # this rank's own routing, which MoRI's combine takes
         y = y.to(torch.bfloat16).contiguous()
         self._num_tokens = handle.num_tokens
-        if self._split:
-            self.op.combine_send(y, None, ids)
-            self._combined = None
-        else:
-            self._combined = self.op.combine(y, None, ids)[0]
+        send = self.op.combine_send if self._split else self.op.combine
+        self._combined = send(y, None, ids)[0]
 
     def combine_recv(self) -> torch.Tensor:
-        out = self.op.combine_recv()[0] if self._split else self._combined
-        if out is None:
+        if self._combined is None:
             raise RuntimeError("combine_recv called without a combine_send before it")
-        self._combined = None
+        if self._split:
+            self.op.combine_recv()
+        out, self._combined = self._combined, None
         return out[: self._num_tokens]

@@ -21,6 +21,7 @@ from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import transport
 from mori_sglang.providers.arena import Arena, ArenaLayout
+from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.types import CombineHandle, DispatchOutput, InputError
 
 COMBINE_FORMAT = {
@@ -56,6 +57,13 @@ class KernelTuning:
     combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
     combine_recv_warps_fp8: int = 2
     programs_per_sm: int = 16  # receive and combine kernels
+
+    def __post_init__(self) -> None:
+        tiles = ("route_block", "send_tile", "copy_block", "combine_send_tile", "combine_recv_tile")
+        for name in (*tiles, "combine_recv_tile_fp8"):
+            value = getattr(self, name)
+            if value < 64 or value & (value - 1):
+                raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least 64")
 
 
 # Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
@@ -114,10 +122,8 @@ class TritonProvider:
         capacity = config.max_recv_tokens
         self.seq = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch round, combine round
         # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
-        self.status = torch.zeros(2, dtype=torch.int32, device=device)
-        if device.type == "cuda":
-            self._status_host = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-            self._status_event = torch.cuda.Event()
+        self._status = DeviceStatus(2, device)
+        self.status = self._status.flags
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
         self.scales_out = torch.empty(capacity, _words(layout.scale_stride), dtype=torch.int32, device=device)
         self.weights_out = torch.empty(capacity, config.topk, dtype=torch.float32, device=device)
@@ -143,35 +149,23 @@ class TritonProvider:
 
     def check_status(self) -> None:
         """Raise if a receive gave up on a peer or a dispatch met an expert id out of range."""
-        stalled, bad_id = (int(v) for v in self.status.tolist())
-        if not (stalled or bad_id):
-            return
-        self.status.zero_()
+        stalled, bad_id = self._status.read()
         if bad_id:
             raise InputError(
                 f"topk_ids held expert {bad_id - 1}; valid ids are [0, {self.config.num_experts}) or < 0 to "
                 "drop (those copies were dropped)"
             )
-        raise PeerTimeoutError(
-            f"rank {self.config.rank} waited {self.max_spins} polls for rank {stalled - 1}, which never "
-            "signalled; it is stalled, crashed or ran a different number of dispatch/combine calls"
-        )
+        if stalled:
+            raise PeerTimeoutError(
+                f"rank {self.config.rank} waited {self.max_spins} polls for rank {stalled - 1}, which never "
+                "signalled; it is stalled, crashed or ran a different number of dispatch/combine calls"
+            )
 
     def _after_receive(self) -> None:
-        """Surface a stalled peer without a host sync: on GPUs the status is copied to pinned memory
-        behind an event and read at the next call once the event has passed."""
-        if self.device.type != "cuda":
+        """Surface a stalled peer or a bad id without a host sync (DeviceStatus): at the next call."""
+        if self._status.pending():
             self.check_status()
-            return
-        if torch.cuda.is_current_stream_capturing():
-            return
-        self._raise_pending_timeout()
-        self._status_host.copy_(self.status, non_blocking=True)
-        self._status_event.record()
-
-    def _raise_pending_timeout(self) -> None:
-        if self._status_event.query() and bool(self._status_host.any()):
-            self.check_status()
+        self._status.publish()
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -241,6 +235,7 @@ class TritonProvider:
             ROW_BYTES=layout.row_bytes,
             SCALE_WORDS=_words(layout.scale_bytes),
             BLOCK=self.tuning.copy_block,
+            PAD_BLOCK=triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
             TILES=tiles,
             PROGRAMS=self.send_programs,
             QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,

@@ -62,6 +62,7 @@ class EpDispatchCombineOp:
         self.calls: list[str] = []
         self._sent_ids: torch.Tensor | None = None
         self._pending: tuple | None = None
+        self._handed: tuple = ()
         self._sources: list[tuple[int, int]] = []
         EpDispatchCombineOp.instances.append(self)
 
@@ -113,16 +114,17 @@ class EpDispatchCombineOp:
 
     def dispatch_send(self, input, weights, scales, indices, block_num=-1, warp_per_block=-1,
                       call_local_expert_count=False):  # fmt: skip
-        self._pending = self.dispatch(input, weights, scales, indices)
+        """AsyncLL: returns the output buffers, still poisoned; dispatch_recv fills them in place."""
+        self._require_async("dispatch_send")
+        done = self.dispatch(input, weights, scales, indices)
         self.calls[-1] = "dispatch_send"
-        return self._pending
+        self._pending = done
+        self._handed = tuple(_poisoned_like(t) for t in done)
+        return self._handed
 
-    def dispatch_recv(self, block_num=-1, warp_per_block=-1, call_local_expert_count=False):
+    def dispatch_recv(self, block_num=-1, warp_per_block=-1, call_local_expert_count=False) -> None:
         self._require_async("dispatch_recv")
-        if self._pending is None:
-            raise RuntimeError("dispatch_recv without dispatch_send")
-        out, self._pending = self._pending, None
-        return out
+        self._complete("dispatch_recv")
 
     # -- combine --------------------------------------------------------------------------------
 
@@ -146,21 +148,39 @@ class EpDispatchCombineOp:
         return out.to(torch.bfloat16), None
 
     def combine_send(self, input, weights, indices, block_num=-1, warp_per_block=-1):
-        self._pending = self.combine(input, weights, indices)
+        """AsyncLL: returns ``(out, None)`` with ``out`` poisoned until combine_recv."""
+        self._require_async("combine_send")
+        done = self.combine(input, weights, indices)
         self.calls[-1] = "combine_send"
-        return self._pending
+        self._pending = done
+        self._handed = tuple(_poisoned_like(t) for t in done)
+        return self._handed
 
-    def combine_recv(self, block_num=-1, warp_per_block=-1):
+    def combine_recv(self, block_num=-1, warp_per_block=-1) -> None:
         self._require_async("combine_recv")
+        self._complete("combine_recv")
+
+    def _complete(self, name: str) -> None:
+        """Fill the buffers the matching send handed out, as the receive kernel does."""
         if self._pending is None:
-            raise RuntimeError("combine_recv without combine_send")
-        out, self._pending = self._pending, None
-        return out
+            raise RuntimeError(f"{name} without its send")
+        for handed, done in zip(self._handed, self._pending, strict=True):
+            if handed is not None:
+                handed.copy_(done)
+        self._pending = None
+        self.calls.append(name)
 
     def _require_async(self, name: str) -> None:
         if self.config.kernel_type != EpDispatchCombineKernelType.AsyncLL:
             raise RuntimeError(f"{name} needs kernel_type AsyncLL")
-        self.calls.append(name)
+
+
+def _poisoned_like(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.element_size() == 1:
+        return torch.full(t.shape, 0x77, dtype=torch.uint8).view(t.dtype)
+    return torch.full_like(t, 7)
 
 
 def _pack(t: torch.Tensor | None):

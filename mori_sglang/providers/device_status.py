@@ -1,0 +1,39 @@
+"""Error flags a kernel raises on the device, read by the host without a synchronisation on the hot path."""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeviceStatus:
+    """A small int32 vector kernels set (0 = fine). On CPU the host reads it at once; on a GPU each
+    ``publish`` copies it to pinned memory behind an event, and the next ``pending`` reads that copy
+    once the event has passed, so a bad step raises one call later instead of stalling every call.
+    Inside CUDA graph capture nothing is published (the flags stay on the device for ``read``)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.flags = torch.zeros(size, dtype=torch.int32, device=device)
+        self._on_gpu = device.type == "cuda"
+        if self._on_gpu:
+            self._host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+            self._event = torch.cuda.Event()
+
+    def read(self) -> list[int]:
+        """The flags now (a synchronisation), cleared for the next step."""
+        values = [int(v) for v in self.flags.tolist()]
+        if any(values):
+            self.flags.zero_()
+        return values
+
+    def pending(self) -> bool:
+        """Whether a published copy already shows a raised flag (never waits)."""
+        if not self._on_gpu:
+            return bool(self.flags.any())
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        return self._event.query() and bool(self._host.any())
+
+    def publish(self) -> None:
+        if self._on_gpu and not torch.cuda.is_current_stream_capturing():
+            self._host.copy_(self.flags, non_blocking=True)
+            self._event.record()
