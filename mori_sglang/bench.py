@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.routing import owning_destinations
+
+if TYPE_CHECKING:
+    from mori_sglang.providers.triton_provider import KernelTuning
 
 
 @dataclass
@@ -92,9 +96,19 @@ def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
 
 
 def bench_one(
-    cfg: EpConfig, tokens: int, device: torch.device, iters: int, graph: bool, copy_gbs: float
+    cfg: EpConfig,
+    tokens: int,
+    device: torch.device,
+    iters: int,
+    graph: bool,
+    copy_gbs: float,
+    tuning: KernelTuning | None = None,
 ) -> tuple[Row, int]:
+    """``tuning``: the Triton provider's kernel tuning to measure (default: its defaults)."""
     world = LoopbackWorld(cfg, device)
+    if tuning is not None:
+        for op in world.ops:
+            op.provider.tuning = tuning
     xs, weights, ids = make_inputs(cfg, tokens, device, seed=1)
     ops = world.ops
     outs: list = [None] * cfg.world_size

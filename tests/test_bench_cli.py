@@ -57,3 +57,28 @@ def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert all(r[2] == "2" and float(r[6]) > 0 and float(r[7]) > 0 for r in rows)
     assert json.loads(out.read_text())["world"] == 2
+
+
+def test_tuning_sweep_times_each_variant_beside_the_defaults(tmp_path: Path) -> None:
+    out = tmp_path / "tune.json"
+    text = _run(
+        [sys.executable, "-m", "mori_sglang.tune", "--world", "2", "--tokens", "4", "--mode", "low_latency",
+         "--vary", "send_warps=2,4", "route_block=64+combine_recv_tile=512", "--json", str(out), *SMALL],
+        tmp_path,
+    )  # fmt: skip
+    rows = _table_rows(text)
+    variants = ["defaults", "send_warps=2", "send_warps=4", "route_block=64+combine_recv_tile=512"]
+    assert [r[0] for r in rows] == [v for v in variants for _ in ("bf16", "fp8_blockwise")]
+    assert all(float(cell.split(" ")[0]) > 0 for r in rows for cell in r[4:8])
+    data = json.loads(out.read_text())
+    assert [r["variant"] for r in data["rows"]][::2] == variants
+
+
+def test_tuning_sweep_names_the_fields_it_accepts(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mori_sglang.tune", "--vary", "warp_count=2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "warp_count is not a KernelTuning field" in done.stderr and "send_warps" in done.stderr

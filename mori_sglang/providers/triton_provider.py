@@ -66,6 +66,8 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least 64")
 
 
+# Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
+INTERPRETER_PROGRAMS = 2
 # Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
 DEFAULT_MAX_SPINS = 1 << 26
 
@@ -106,8 +108,8 @@ class TritonProvider:
         self.fp8_dtype = fp8_dtype
         self.max_spins = max_spins
         self.tuning = tuning or KernelTuning()
-        self.programs = programs or _default_programs(device, self.tuning.programs_per_sm)
-        self.send_programs = programs or _default_programs(device, self.tuning.send_programs_per_sm)
+        self._programs = programs
+        self._sms = _multiprocessors(device)
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
@@ -141,6 +143,15 @@ class TritonProvider:
         self.fp8_name = TRITON_FP8[fp8_dtype]
 
     # -- bookkeeping --------------------------------------------------------------------------
+
+    @property
+    def programs(self) -> int:
+        """Programs of the receive and combine kernels (from the tuning unless fixed at construction)."""
+        return self._programs or (self.tuning.programs_per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS)
+
+    @property
+    def send_programs(self) -> int:
+        return self._programs or (self.tuning.send_programs_per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS)
 
     def _ensure_peers(self) -> None:
         if not self._peers_ready:
@@ -398,8 +409,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _default_programs(device: torch.device, per_sm: int) -> int:
-    """Enough programs per SM that their memory latencies overlap; two in the CPU interpreter."""
+def _multiprocessors(device: torch.device) -> int | None:
+    """SMs (CUs) the programs spread over; None in the CPU interpreter."""
     if device.type == "cuda":
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return None
