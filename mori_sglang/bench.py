@@ -24,6 +24,7 @@ import torch
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.roundtrip import resolve_device
 from mori_sglang.routing import owning_destinations
 
 if TYPE_CHECKING:
@@ -53,8 +54,10 @@ class Row:
     round_trip_pct: float
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
-    """Device-to-device copy GB/s, counting bytes read plus bytes written."""
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
+    """Device-to-device copy GB/s, counting bytes read plus bytes written (1 GiB on a GPU, 64 MiB on CPU)."""
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (1 << 26)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = _time_phases([lambda: dst.copy_(src)], device, iters)[0]
@@ -293,8 +296,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--plot", help="write a bar chart (PNG) here")
     args = parser.parse_args(argv)
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    bw = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    device = resolve_device(args.device)
+    bw = copy_bandwidth(device)
     rows: list[Row] = []
     baseline: dict[tuple, Row] = {}
     for cfg in workload_configs(args, args.world, 0, Provider(args.provider)):

@@ -15,7 +15,7 @@ from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfi
 from mori_sglang.exchange import DistExchange, Exchange, LoopbackExchange, LoopbackHub
 from mori_sglang.providers import resolve_provider
 from mori_sglang.providers.torch_provider import TorchProvider
-from mori_sglang.types import CombineHandle, DispatchOutput, InputError
+from mori_sglang.types import CombineHandle, DispatchOutput, InputError, expert_id_error
 
 SUPPORTED_COMBINE = (
     CombineDtype.BF16,
@@ -125,7 +125,7 @@ class EpDispatchCombineOp:
         if n and not getattr(self.provider, "checks_ids_on_device", False):
             top = int(ids.max())
             if top >= cfg.num_experts:
-                raise InputError(f"topk_ids holds expert {top}; valid ids are [0, {cfg.num_experts}) or < 0 to drop")
+                raise expert_id_error(top, cfg.num_experts, dropped=False)
         accepted = {torch.bfloat16, self.payload_dtype}
         if cfg.dispatch_dtype is DispatchDtype.MXFP4:
             accepted.add(torch.float4_e2m1fn_x2)

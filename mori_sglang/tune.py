@@ -15,11 +15,10 @@ import dataclasses
 import json
 from collections.abc import Iterator
 
-import torch
-
 from mori_sglang.bench import Row, add_workload_args, bench_one, copy_bandwidth, workload_configs
 from mori_sglang.config import Provider
 from mori_sglang.providers.triton_provider import KernelTuning
+from mori_sglang.roundtrip import resolve_device
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
@@ -60,8 +59,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, Row]]:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     variants = [("defaults", {}), *parse_variants(args.vary)]
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    bw = copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    device = resolve_device(args.device)
+    bw = copy_bandwidth(device)
     results = []
     for name, changes in variants:
         tuning = dataclasses.replace(KernelTuning(), **changes)

@@ -11,6 +11,12 @@ class InputError(ValueError):
     """A dispatch/combine input does not fit the op's configuration."""
 
 
+def expert_id_error(expert: int, num_experts: int, *, dropped: bool) -> InputError:
+    """An expert id past the last expert; ``dropped``: the kernels already sent those copies as dropped."""
+    verb, tail = ("held", " (those copies were dropped)") if dropped else ("holds", "")
+    return InputError(f"topk_ids {verb} expert {expert}; valid ids are [0, {num_experts}) or < 0 to drop{tail}")
+
+
 @dataclass
 class CombineHandle:
     """Routing state that lets combine bring each expert output back to its source token.

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.providers.device_status import DeviceStatus
-from mori_sglang.types import CombineHandle, DispatchOutput, InputError
+from mori_sglang.types import CombineHandle, DispatchOutput, expert_id_error
 
 # The name MoRI's shmem bootstrap looks the process group up by (the one SGLang and vLLM register).
 SHMEM_GROUP_NAME = "mori"
@@ -158,8 +158,6 @@ class MoriProvider:
             )
         _init_shmem(group or dist.group.WORLD)
         self.config = config
-        self.device = device
-        self.layout = layout
         kwargs = mori_config_kwargs(config, layout, payload_dtype)
         self.token_dtype = kwargs["data_type"]
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, kernel)
@@ -187,10 +185,7 @@ class MoriProvider:
         """Raise if a dispatch met an expert id past the last expert (those copies were dropped)."""
         (bad_id,) = self._status.read()
         if bad_id:
-            raise InputError(
-                f"topk_ids held expert {bad_id - 1}; valid ids are [0, {self.config.num_experts}) or < 0 to "
-                "drop (those copies were dropped)"
-            )
+            raise expert_id_error(bad_id - 1, self.config.num_experts, dropped=True)
 
     def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """int32 ids with those past the last expert dropped (-1) and flagged, all on the device."""

@@ -22,7 +22,7 @@ from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import transport
 from mori_sglang.providers.arena import Arena, ArenaLayout
 from mori_sglang.providers.device_status import DeviceStatus
-from mori_sglang.types import CombineHandle, DispatchOutput, InputError
+from mori_sglang.types import CombineHandle, DispatchOutput, expert_id_error
 
 COMBINE_FORMAT = {
     CombineDtype.BF16: transport.COMBINE_BF16,
@@ -59,11 +59,22 @@ class KernelTuning:
     programs_per_sm: int = 16  # receive and combine kernels
 
     def __post_init__(self) -> None:
-        tiles = ("route_block", "send_tile", "copy_block", "combine_send_tile", "combine_recv_tile")
-        for name in (*tiles, "combine_recv_tile_fp8"):
+        for name in TILE_FIELDS:
             value = getattr(self, name)
-            if value < 64 or value & (value - 1):
-                raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least 64")
+            if value < MIN_TILE or value & (value - 1):
+                raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {MIN_TILE}")
+
+
+TILE_FIELDS = (
+    "route_block",
+    "send_tile",
+    "copy_block",
+    "combine_send_tile",
+    "combine_recv_tile",
+    "combine_recv_tile_fp8",
+)
+# The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
+MIN_TILE = 64
 
 
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
@@ -125,7 +136,6 @@ class TritonProvider:
         self.seq = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch round, combine round
         # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
         self._status = DeviceStatus(2, device)
-        self.status = self._status.flags
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
         self.scales_out = torch.empty(capacity, _words(layout.scale_stride), dtype=torch.int32, device=device)
         self.weights_out = torch.empty(capacity, config.topk, dtype=torch.float32, device=device)
@@ -134,8 +144,7 @@ class TritonProvider:
         self._no_scales = torch.zeros(1, dtype=torch.int32, device=device)  # the scale words when none travel
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
-        # The most blocks a batch can span (a block is at least 64 tokens).
-        route_blocks = triton.cdiv(config.max_tokens_per_rank, min(64, self.tuning.route_block))
+        route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         self._slot_of_pair: torch.Tensor | None = None
         self._num_tokens = 0
@@ -147,11 +156,16 @@ class TritonProvider:
     @property
     def programs(self) -> int:
         """Programs of the receive and combine kernels (from the tuning unless fixed at construction)."""
-        return self._programs or (self.tuning.programs_per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS)
+        return self._program_count(self.tuning.programs_per_sm)
 
     @property
     def send_programs(self) -> int:
-        return self._programs or (self.tuning.send_programs_per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS)
+        return self._program_count(self.tuning.send_programs_per_sm)
+
+    def _program_count(self, per_sm: int) -> int:
+        if self._programs:
+            return self._programs
+        return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
 
     def _ensure_peers(self) -> None:
         if not self._peers_ready:
@@ -162,10 +176,7 @@ class TritonProvider:
         """Raise if a receive gave up on a peer or a dispatch met an expert id out of range."""
         stalled, bad_id = self._status.read()
         if bad_id:
-            raise InputError(
-                f"topk_ids held expert {bad_id - 1}; valid ids are [0, {self.config.num_experts}) or < 0 to "
-                "drop (those copies were dropped)"
-            )
+            raise expert_id_error(bad_id - 1, self.config.num_experts, dropped=True)
         if stalled:
             raise PeerTimeoutError(
                 f"rank {self.config.rank} waited {self.max_spins} polls for rank {stalled - 1}, which never "
@@ -197,13 +208,13 @@ class TritonProvider:
         ids = ids.int().contiguous()
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
-        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), 64))
+        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), MIN_TILE))
         blocks = max(1, triton.cdiv(self._num_tokens, route_block))
         route_meta = {
             "K": cfg.topk,
             "KP": triton.next_power_of_2(cfg.topk),
             "BLOCK_N": route_block,
-            "num_warps": max(1, min(self.tuning.route_warps, route_block // 64)),
+            "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
         }
         if blocks > 1:
             transport.route_count_kernel[(cfg.world_size, blocks)](
@@ -214,7 +225,7 @@ class TritonProvider:
             self._slot_of_pair,
             self._block_counts,
             self.send_counts,
-            self.status,
+            self._status.flags,
             self._num_tokens,
             cfg.num_experts,
             cfg.num_local_experts,
@@ -281,7 +292,7 @@ class TritonProvider:
         transport.wait_kernel[(1,)](
             self.arena.base,
             self.seq[round_index:],
-            self.status,
+            self._status.flags,
             self.max_spins,
             arrivals_offset,
             W=self.config.world_size,
