@@ -33,8 +33,6 @@ KERNELS = [
     "route_count_kernel",
     "route_kernel",
     "dispatch_send_kernel",
-    "signal_kernel",
-    "wait_kernel",
     "dispatch_recv_kernel",
     "combine_send_kernel",
     "combine_recv_kernel",

@@ -5,14 +5,15 @@ Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in 
     [dispatch rows: W * max_tokens x dispatch row] [combine rows: W * max_tokens x combine stride]
     [sync: dispatch arrivals[W] | combine arrivals[W] | dispatch counts[W]]   (int64)
 
-A send kernel writes copy p of rank r into slot ``(r * max_tokens + p)`` of the destination's region;
-after it, a signal kernel adds 1 to each destination's arrival counter for r (release, system scope;
-the kernel boundary orders it after every write of the send). Arrival counters only
-grow: a one-program wait kernel on the receiver waits until every sender's counter reaches the next
-round number (acquire) and then advances the round, so no buffer is ever reset, the many programs of
-the copy kernels never contend on a flag, and a CUDA graph can replay everything. Round numbers live
-on the device (``seq``: dispatch round, combine round).
-A wait gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the host to raise.
+A send kernel writes copy p of rank r into slot ``(r * max_tokens + p)`` of the destination's region.
+Its programs count themselves done on a ticket counter (acquire-release, system scope); the last one
+adds 1 to each destination's arrival counter for r (release, system scope), so every row precedes
+the signal without a kernel of its own. Arrival counters only grow: every program of a receive
+kernel polls all senders' counters until they reach the next round number (acquire), and the last
+program to finish advances the round, so no buffer is ever reset, no wait kernel runs ahead of the
+copy, and a CUDA graph can replay everything. Round numbers live on the device (``seq``: dispatch
+round, combine round). A receive gives up after ``max_spins`` polls and records ``1 + peer`` in
+``status`` for the host to raise.
 """
 
 from __future__ import annotations
@@ -31,29 +32,60 @@ COMBINE_FP8_BLOCKWISE_NATIVE = 3
 
 
 @triton.jit
-def wait_kernel(arena_ptr, seq_ptr, status_ptr, max_spins, arrivals_offset, W: tl.constexpr):
-    """Wait until every sender has signalled this round, then advance the round (one program)."""
-    target = tl.load(seq_ptr) + 1
-    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64))
-    for src in range(W):
-        seen = tl.atomic_add(arrivals + src, 0, sem="acquire", scope="sys")
-        spins = 0
-        while (seen < target) & (spins < max_spins):
-            seen = tl.atomic_add(arrivals + src, 0, sem="acquire", scope="sys")
-            spins += 1
-        if seen < target:
-            tl.atomic_max(status_ptr, src + 1)
-    tl.store(seq_ptr, target)
+def _take_ticket(tickets_ptr, SCOPE: tl.constexpr):
+    """Count this program as done; True in the program that finishes last, which resets the counter for
+    the next launch (kernels of one stream never overlap). The acquire-release at SCOPE orders every
+    store of the programs before the last program's next operations."""
+    tl.debug_barrier()  # all threads' stores of this program precede its ticket
+    ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel", scope=SCOPE)
+    last = ticket == tl.num_programs(0) - 1
+    if last:
+        tl.store(tickets_ptr, 0)
+    return last
 
 
 @triton.jit
-def signal_kernel(peer_bases, arrivals_offset, rank):
-    """Tell destination ``program_id`` that this rank's writes of the round are done (one program per
-    destination, so the system-scope releases run side by side)."""
-    dst = tl.program_id(0)
-    base = tl.load(peer_bases + dst)
-    arrivals = (base + arrivals_offset).to(tl.pointer_type(tl.int64))
-    tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
+def _signal_arrival(peer_bases, arrivals_offset, rank, W: tl.constexpr, WP: tl.constexpr):
+    """Add 1 to this rank's arrival counter on every destination (release, system scope), all
+    destinations at once: called by the last program of a send, after every program's rows."""
+    tl.debug_barrier()
+    w_offs = tl.arange(0, WP)
+    bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
+    arrivals = (bases + arrivals_offset).to(tl.pointer_type(tl.int64)) + rank
+    tl.atomic_add(arrivals, 1, mask=w_offs < W, sem="release", scope="sys")
+
+
+@triton.jit
+def _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr):
+    """Spin until every sender's arrival counter reaches this round (acquire, system scope), polling all
+    senders at once. Every program of a receive kernel waits for itself, so no wait kernel runs ahead.
+    Gives up after ``max_spins`` polls, or at once when another program already gave up, recording
+    ``1 + the first late sender`` in ``status[0]``. Returns the round, for ``_finish_round``."""
+    target = tl.load(seq_ptr) + 1
+    w_offs = tl.arange(0, WP)
+    senders = w_offs < W
+    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
+    seen = tl.atomic_add(arrivals, 0, mask=senders, sem="acquire", scope="sys")
+    late = tl.sum((senders & (seen < target)).to(tl.int32), 0)
+    spins = 0
+    gave_up = tl.load(status_ptr, volatile=True)
+    while (late > 0) & (spins < max_spins) & (gave_up == 0):
+        seen = tl.atomic_add(arrivals, 0, mask=senders, sem="acquire", scope="sys")
+        late = tl.sum((senders & (seen < target)).to(tl.int32), 0)
+        gave_up = tl.load(status_ptr, volatile=True)
+        spins += 1
+    if late > 0:
+        first_late = tl.min(tl.where(senders & (seen < target), w_offs, WP), 0)
+        tl.atomic_max(status_ptr, first_late + 1)
+    tl.debug_barrier()  # every thread of the program reads the rows after the acquire
+    return target
+
+
+@triton.jit
+def _finish_round(tickets_ptr, seq_ptr, target):
+    """The last program of a receive advances the round: every program has read it by then."""
+    if _take_ticket(tickets_ptr, "gpu"):
+        tl.store(seq_ptr, target)
 
 
 @triton.jit
@@ -222,10 +254,12 @@ def dispatch_send_kernel(
     ids_ptr,
     slot_of_pair_ptr,
     send_counts_ptr,
+    tickets_ptr,
     num_tokens,
     rank,
     max_tokens,
     counts_offset,
+    arrivals_offset,
     ROW_BYTES: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -236,10 +270,10 @@ def dispatch_send_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     W: tl.constexpr,
+    WP: tl.constexpr,
     BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
     TILES: tl.constexpr,
-    PROGRAMS: tl.constexpr,
     QUANT: tl.constexpr,
     HIDDEN: tl.constexpr,
     GROUP: tl.constexpr,
@@ -260,7 +294,7 @@ def dispatch_send_kernel(
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    for item in range(pid, num_tokens * TILES, PROGRAMS):
+    for item in range(pid, num_tokens * TILES, tl.num_programs(0)):
         n = item // TILES
         tile = item % TILES
         slots = tl.load(slot_of_pair_ptr + n * K + k_offs, mask=k_mask, other=-1)
@@ -321,11 +355,12 @@ def dispatch_send_kernel(
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
             ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
             _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
-    if pid == 0:
-        for dst in range(W):
-            base = tl.load(peer_bases + dst)
-            counts = (base + counts_offset).to(tl.pointer_type(tl.int64))
-            tl.store(counts + rank, tl.load(send_counts_ptr + dst))
+    if _take_ticket(tickets_ptr, "sys"):
+        w_offs = tl.arange(0, WP)
+        bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
+        counts = (bases + counts_offset).to(tl.pointer_type(tl.int64)) + rank
+        tl.store(counts, tl.load(send_counts_ptr + w_offs, mask=w_offs < W), mask=w_offs < W)
+        _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
 
 
 @triton.jit
@@ -337,8 +372,13 @@ def dispatch_recv_kernel(
     ids_out,
     num_recv_out,
     recv_counts_out,
+    seq_ptr,
+    status_ptr,
+    tickets_ptr,
+    max_spins,
     max_tokens,
     counts_offset,
+    arrivals_offset,
     ROW_WORDS: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     STRIDE_WORDS: tl.constexpr,
@@ -350,10 +390,10 @@ def dispatch_recv_kernel(
     W: tl.constexpr,
     WP: tl.constexpr,
     BLOCK: tl.constexpr,
-    PROGRAMS: tl.constexpr,
 ):
-    """Copy the received rows out compact, ordered by source rank (after the wait kernel)."""
+    """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
     pid = tl.program_id(0)
+    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W, WP)
     w_offs = tl.arange(0, WP)
     counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
     counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
@@ -361,7 +401,7 @@ def dispatch_recv_kernel(
     rows = arena_ptr.to(tl.pointer_type(tl.int32))
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    for j in range(pid, total, PROGRAMS):
+    for j in range(pid, total, tl.num_programs(0)):
         src, pos = _source_of_row(counts, j, WP)
         row = rows + (src * max_tokens + pos) * ROW_WORDS
         _copy_words(tokens_out + j * TOKEN_WORDS, row, TOKEN_WORDS, BLOCK)
@@ -372,6 +412,7 @@ def dispatch_recv_kernel(
     if pid == 0:
         tl.store(num_recv_out, total.to(tl.int32))
         tl.store(recv_counts_out + w_offs, counts, mask=w_offs < W)
+    _finish_round(tickets_ptr, seq_ptr, target)
 
 
 @triton.jit
@@ -437,9 +478,11 @@ def combine_send_kernel(
     peer_bases,
     y_ptr,
     recv_counts_ptr,
+    tickets_ptr,
     rank,
     max_tokens,
     combine_offset,
+    arrivals_offset,
     HIDDEN: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     FORMAT: tl.constexpr,
@@ -452,15 +495,14 @@ def combine_send_kernel(
     FP8: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
-    PROGRAMS: tl.constexpr,
 ):
     """Quantize each received row's expert output straight into its source rank's combine slot; a work
-    item is ITEM_BLOCKS blocks of one row (ITEMS per row)."""
+    item is ITEM_BLOCKS blocks of one row (ITEMS per row). The last program to finish signals."""
     pid = tl.program_id(0)
     w_offs = tl.arange(0, WP)
     counts = tl.load(recv_counts_ptr + w_offs, mask=w_offs < W, other=0)
     total = tl.sum(counts, 0)
-    for item in range(pid, total * ITEMS, PROGRAMS):
+    for item in range(pid, total * ITEMS, tl.num_programs(0)):
         j = item // ITEMS
         src, pos = _source_of_row(counts, j, WP)
         base = tl.load(peer_bases + src)
@@ -480,6 +522,8 @@ def combine_send_kernel(
             FP8_MAX,
             FP8,
         )
+    if _take_ticket(tickets_ptr, "sys"):
+        _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
 
 
 @triton.jit
@@ -487,8 +531,13 @@ def combine_recv_kernel(
     arena_ptr,
     slot_of_pair_ptr,
     out_ptr,
+    seq_ptr,
+    status_ptr,
+    tickets_ptr,
+    max_spins,
     num_tokens,
     combine_offset,
+    arrivals_offset,
     HIDDEN: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     FORMAT: tl.constexpr,
@@ -497,16 +546,18 @@ def combine_recv_kernel(
     TILE_BLOCKS: tl.constexpr,
     FP8: tl.constexpr,
     K: tl.constexpr,
-    PROGRAMS: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
 ):
-    """Per token: dequantize its returned rows and add them in f32 in top-k order, cast once to bf16.
-    A work item is one tile of TILE_BLOCKS blocks of one token."""
+    """Wait for every sender, then per token: dequantize its returned rows and add them in f32 in top-k
+    order, cast once to bf16. A work item is one tile of TILE_BLOCKS blocks of one token."""
     pid = tl.program_id(0)
+    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W, WP)
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
     TILES: tl.constexpr = (NUM_BLOCKS + TILE_BLOCKS - 1) // TILE_BLOCKS
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
     cols = tl.arange(0, BLOCK_P2)
-    for item in range(pid, num_tokens * TILES, PROGRAMS):
+    for item in range(pid, num_tokens * TILES, tl.num_programs(0)):
         n = item // TILES
         blocks = (item % TILES) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
         elem = blocks[:, None] * BLOCK + cols[None, :]
@@ -530,3 +581,4 @@ def combine_recv_kernel(
                     v = v * s[:, None]
             acc = acc + v  # masked lanes hold 0 (or are never stored)
         tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)
+    _finish_round(tickets_ptr, seq_ptr, target)

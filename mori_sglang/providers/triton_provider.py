@@ -77,6 +77,9 @@ TILE_FIELDS = (
 MIN_TILE = 64
 
 
+# Which ticket counter each kernel counts its finished programs on.
+TICKETS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
 INTERPRETER_PROGRAMS = 2
 # Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
@@ -134,6 +137,8 @@ class TritonProvider:
             self._peers_ready = True
         capacity = config.max_recv_tokens
         self.seq = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch round, combine round
+        # Programs done so far in the running kernel, one counter per kernel (back to 0 after each launch).
+        self._tickets = torch.zeros(len(TICKETS), dtype=torch.int32, device=device)
         # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
         self._status = DeviceStatus(2, device)
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
@@ -166,6 +171,14 @@ class TritonProvider:
         if self._programs:
             return self._programs
         return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
+
+    def _grid(self, programs: int, items: int) -> tuple[int]:
+        """No more programs than work items: each program takes a ticket, idle ones only cost time.
+        At least one, which signals or advances the round when there is nothing to move."""
+        return (max(1, min(programs, items)),)
+
+    def _ticket(self, kernel: str) -> torch.Tensor:
+        return self._tickets[TICKETS.index(kernel) :]
 
     def _ensure_peers(self) -> None:
         if not self._peers_ready:
@@ -241,7 +254,7 @@ class TritonProvider:
         else:
             tiles = triton.cdiv(x.shape[1], self.tuning.copy_block)
         scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
-        transport.dispatch_send_kernel[(self.send_programs,)](
+        transport.dispatch_send_kernel[self._grid(self.send_programs, self._num_tokens * tiles)](
             self.arena.peer_bases,
             x,
             scale_words,
@@ -249,17 +262,19 @@ class TritonProvider:
             ids,
             self._slot_of_pair,
             self.send_counts,
+            self._ticket("dispatch_send"),
             self._num_tokens,
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.counts_offset,
+            self.arena_layout.dispatch_arrivals_offset,
             **self._row_meta(layout),
+            WP=triton.next_power_of_2(cfg.world_size),
             ROW_BYTES=layout.row_bytes,
             SCALE_WORDS=_words(layout.scale_bytes),
             BLOCK=self.tuning.copy_block,
             PAD_BLOCK=triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
             TILES=tiles,
-            PROGRAMS=self.send_programs,
             QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
             HIDDEN=cfg.hidden,
             GROUP=group,
@@ -270,7 +285,6 @@ class TritonProvider:
             enable_fp_fusion=False,
             num_warps=self.tuning.send_warps,
         )
-        self._signal(self.arena_layout.dispatch_arrivals_offset)
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
         """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""
@@ -285,25 +299,16 @@ class TritonProvider:
             "W": self.config.world_size,
         }
 
-    def _signal(self, arrivals_offset: int) -> None:
-        transport.signal_kernel[(self.config.world_size,)](self.arena.peer_bases, arrivals_offset, self.config.rank)
-
-    def _wait(self, round_index: int, arrivals_offset: int) -> None:
-        transport.wait_kernel[(1,)](
-            self.arena.base,
-            self.seq[round_index:],
-            self._status.flags,
-            self.max_spins,
-            arrivals_offset,
-            W=self.config.world_size,
-        )
+    def _wait_args(self, round_index: int) -> tuple:
+        """The receive kernels' round, status, ticket and spin bound arguments."""
+        kernel = ("dispatch_recv", "combine_recv")[round_index]
+        return (self.seq[round_index:], self._status.flags, self._ticket(kernel), self.max_spins)
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
         if self._slot_of_pair is None:
             raise RuntimeError("dispatch_recv called without a dispatch_send before it")
         cfg = self.config
-        self._wait(0, self.arena_layout.dispatch_arrivals_offset)
-        transport.dispatch_recv_kernel[(self.programs,)](
+        transport.dispatch_recv_kernel[self._grid(self.programs, self.arena_layout.slots)](
             self.arena.base,
             self.tokens_out,
             self.scales_out,
@@ -311,13 +316,14 @@ class TritonProvider:
             self.ids_out,
             self.num_recv,
             self.recv_counts,
+            *self._wait_args(0),
             cfg.max_tokens_per_rank,
             self.arena_layout.counts_offset,
+            self.arena_layout.dispatch_arrivals_offset,
             **self._row_meta(layout),
             ROW_WORDS=_words(layout.row_bytes),
             WP=triton.next_power_of_2(cfg.world_size),
             BLOCK=self.tuning.copy_block,
-            PROGRAMS=self.programs,
             num_warps=self.tuning.recv_warps,
         )
         self._after_receive()
@@ -366,25 +372,26 @@ class TritonProvider:
         whole_row = cfg.combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE
         tile_blocks = meta["TILE_BLOCKS"]
         item_blocks = triton.cdiv(num_blocks, tile_blocks) * tile_blocks if whole_row else tile_blocks
-        transport.combine_send_kernel[(self.programs,)](
+        items = triton.cdiv(num_blocks, item_blocks)
+        transport.combine_send_kernel[self._grid(self.programs, self.arena_layout.slots * items)](
             self.arena.peer_bases,
             y.contiguous(),
             handle.recv_counts,
+            self._ticket("combine_send"),
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.combine_offset,
+            self.arena_layout.combine_arrivals_offset,
             **meta,
             ITEM_BLOCKS=item_blocks,
-            ITEMS=triton.cdiv(num_blocks, item_blocks),
+            ITEMS=items,
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
             W=cfg.world_size,
             WP=triton.next_power_of_2(cfg.world_size),
-            PROGRAMS=self.programs,
             enable_fp_fusion=False,
             num_warps=self.tuning.combine_send_warps,
         )
-        self._signal(self.arena_layout.combine_arrivals_offset)
         self._combine_handle = handle
 
     def combine_recv(self) -> torch.Tensor:
@@ -393,22 +400,26 @@ class TritonProvider:
         handle, self._combine_handle = self._combine_handle, None
         cfg = self.config
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=self.device)
-        self._wait(1, self.arena_layout.combine_arrivals_offset)
         tuning = self.tuning
         if cfg.combine_dtype is CombineDtype.BF16:
             tile, warps = tuning.combine_recv_tile, tuning.combine_recv_warps
         else:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
-        transport.combine_recv_kernel[(self.programs,)](
+        meta = self._combine_meta(tile)
+        tiles = triton.cdiv(cfg.hidden // cfg.combine_block, meta["TILE_BLOCKS"])
+        transport.combine_recv_kernel[self._grid(self.programs, handle.num_tokens * tiles)](
             self.arena.base,
             handle.slot_of_pair,
             out,
+            *self._wait_args(1),
             handle.num_tokens,
             self.arena_layout.combine_offset,
-            **self._combine_meta(tile),
+            self.arena_layout.combine_arrivals_offset,
+            **meta,
             FP8=self.fp8_name,
             K=cfg.topk,
-            PROGRAMS=self.programs,
+            W=cfg.world_size,
+            WP=triton.next_power_of_2(cfg.world_size),
             enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
             num_warps=warps,
         )
