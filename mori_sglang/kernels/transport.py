@@ -196,14 +196,18 @@ def route_count_kernel(
 @triton.jit
 def route_kernel(
     ids_ptr,
+    peer_bases,
     slot_of_pair_ptr,
+    row_of_pair_ptr,
     block_counts_ptr,
     send_counts_ptr,
     status_ptr,
     num_tokens,
     num_experts,
     num_local_experts,
+    rank,
     max_tokens,
+    ROW_BYTES: tl.constexpr,
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -215,7 +219,8 @@ def route_kernel(
     A token goes to d once, through its first top-k slot whose expert lives on d (the owner);
     ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
     that point at d; programs (0, b) also write -1 for dropped slots (id < 0). Same result as
-    routing.plan_dispatch.
+    routing.plan_dispatch. ``row_of_pair`` gets the byte address of the owner's row in rank d's arena
+    (0 for the other slots), so that the send kernel finds its destinations in one load.
        An id past the last expert is dropped too, and programs (0, b) record ``id + 1`` in ``status[1]``
     so that the host raises without a synchronisation on the hot path.
     """
@@ -234,10 +239,14 @@ def route_kernel(
     position = before + tl.cumsum(goes, 0) - goes
     owner = here & (k_offs[None, :] == first[:, None])
     slot = tl.where(owner, d * max_tokens + position[:, None], -1)
-    out = slot_of_pair_ptr + rows[:, None] * K + k_offs[None, :]
-    tl.store(out, slot, mask=here)
+    row = tl.where(owner, tl.load(peer_bases + d) + (rank * max_tokens + position[:, None]) * ROW_BYTES, 0)
+    pair = rows[:, None] * K + k_offs[None, :]
+    tl.store(slot_of_pair_ptr + pair, slot, mask=here)
+    tl.store(row_of_pair_ptr + pair, row, mask=here)
     if d == 0:
-        tl.store(out, tl.full(slot.shape, -1, tl.int64), mask=mask & (dest < 0))
+        dropped = mask & (dest < 0)
+        tl.store(slot_of_pair_ptr + pair, tl.full(slot.shape, -1, tl.int64), mask=dropped)
+        tl.store(row_of_pair_ptr + pair, tl.zeros(slot.shape, tl.int64), mask=dropped)
         too_big = tl.max(tl.where(mask & (ids >= num_experts), ids + 1, 0))
         if too_big > 0:
             tl.atomic_max(status_ptr + 1, too_big)
@@ -252,15 +261,13 @@ def dispatch_send_kernel(
     scales_ptr,
     weights_ptr,
     ids_ptr,
-    slot_of_pair_ptr,
+    row_of_pair_ptr,
     send_counts_ptr,
     tickets_ptr,
     num_tokens,
     rank,
-    max_tokens,
     counts_offset,
     arrivals_offset,
-    ROW_BYTES: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     STRIDE_WORDS: tl.constexpr,
@@ -297,12 +304,8 @@ def dispatch_send_kernel(
     for item in range(pid, num_tokens * TILES, tl.num_programs(0)):
         n = item // TILES
         tile = item % TILES
-        slots = tl.load(slot_of_pair_ptr + n * K + k_offs, mask=k_mask, other=-1)
-        present = slots >= 0
-        safe = tl.maximum(slots, 0)
-        dst_rank = safe // max_tokens
-        bases = tl.load(peer_bases + dst_rank, mask=present, other=0)
-        rows = bases + (rank * max_tokens + safe - dst_rank * max_tokens) * ROW_BYTES  # [KP] byte addresses
+        rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
+        present = rows != 0
         if (QUANT == 1) or (QUANT == 2):
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
             TILE: tl.constexpr = TILE_GROUPS * GROUP

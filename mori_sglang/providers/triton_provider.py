@@ -220,6 +220,7 @@ class TritonProvider:
         self._num_tokens = payload.shape[0]
         ids = ids.int().contiguous()
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
+        row_of_pair = torch.empty_like(self._slot_of_pair)
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
         route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), MIN_TILE))
         blocks = max(1, triton.cdiv(self._num_tokens, route_block))
@@ -235,14 +236,18 @@ class TritonProvider:
             )
         transport.route_kernel[(cfg.world_size, blocks)](
             ids,
+            self.arena.peer_bases,
             self._slot_of_pair,
+            row_of_pair,
             self._block_counts,
             self.send_counts,
             self._status.flags,
             self._num_tokens,
             cfg.num_experts,
             cfg.num_local_experts,
+            cfg.rank,
             cfg.max_tokens_per_rank,
+            ROW_BYTES=layout.row_bytes,
             NBP=triton.next_power_of_2(blocks) if blocks > 1 else 1,
             **route_meta,
         )
@@ -260,17 +265,15 @@ class TritonProvider:
             scale_words,
             weights.float().contiguous().view(torch.int32),
             ids,
-            self._slot_of_pair,
+            row_of_pair,
             self.send_counts,
             self._ticket("dispatch_send"),
             self._num_tokens,
             cfg.rank,
-            cfg.max_tokens_per_rank,
             self.arena_layout.counts_offset,
             self.arena_layout.dispatch_arrivals_offset,
             **self._row_meta(layout),
             WP=triton.next_power_of_2(cfg.world_size),
-            ROW_BYTES=layout.row_bytes,
             SCALE_WORDS=_words(layout.scale_bytes),
             BLOCK=self.tuning.copy_block,
             PAD_BLOCK=triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
