@@ -194,6 +194,22 @@ def test_routing_over_several_blocks_numbers_tokens_across_blocks(rng: random.Ra
         _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
 
 
+def test_a_rank_that_receives_nothing_and_programs_without_work_still_signal() -> None:
+    """Rank 0 receives no row (its combine send has no work: program 0 signals alone) and rank 1 one
+    row (the other programs are idle); rounds repeat, so the finish counters must be back to 0."""
+    worlds = {p: LoopbackWorld(_config(2, mode=Mode.LOW_LATENCY, provider=p), DEVICE) for p in ("torch", "triton")}
+    for op in worlds["triton"].ops:
+        op.provider.max_spins = 1000  # a missing signal fails fast: in a loopback world every send came first
+    cfg = worlds["torch"].ops[0].config
+    on_rank_1 = torch.arange(cfg.num_local_experts, 2 * cfg.num_local_experts)[:TOPK]
+    for seed in range(3):
+        xs, weights, _ = _inputs(cfg, [1, 0], seed)
+        ids = [on_rank_1.int().to(DEVICE).unsqueeze(0), torch.empty(0, TOPK, dtype=torch.int32, device=DEVICE)]
+        ref, got = _step(worlds["torch"], xs, weights, ids), _step(worlds["triton"], xs, weights, ids)
+        assert got[1] == [0, 1]
+        _assert_same(ref, got, 0)
+
+
 def test_stalled_peer_raises_timeout_naming_it() -> None:
     cfg = _config(2, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)

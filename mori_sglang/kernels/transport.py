@@ -32,13 +32,16 @@ COMBINE_FP8_BLOCKWISE_NATIVE = 3
 
 
 @triton.jit
-def _take_ticket(tickets_ptr, SCOPE: tl.constexpr):
-    """Count this program as done; True in the program that finishes last, which resets the counter for
-    the next launch (kernels of one stream never overlap). The acquire-release at SCOPE orders every
-    store of the programs before the last program's next operations."""
+def _take_ticket(tickets_ptr, done, total, SCOPE: tl.constexpr):
+    """Add this program's ``done`` work units to the kernel's counter; True in the program that brings
+    it to ``total`` (program 0 when there is no work), which resets the counter for the next launch
+    (kernels of one stream never overlap). Programs without work leave the counter alone. The
+    acquire-release at SCOPE orders every store of the programs before the last one's next operations."""
     tl.debug_barrier()  # all threads' stores of this program precede its ticket
-    ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel", scope=SCOPE)
-    last = ticket == tl.num_programs(0) - 1
+    last = (total == 0) & (tl.program_id(0) == 0)
+    if done > 0:
+        before = tl.atomic_add(tickets_ptr, done, sem="acq_rel", scope=SCOPE)
+        last = before + done == total
     if last:
         tl.store(tickets_ptr, 0)
     return last
@@ -84,7 +87,7 @@ def _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W: 
 @triton.jit
 def _finish_round(tickets_ptr, seq_ptr, target):
     """The last program of a receive advances the round: every program has read it by then."""
-    if _take_ticket(tickets_ptr, "gpu"):
+    if _take_ticket(tickets_ptr, 1, tl.num_programs(0), "gpu"):
         tl.store(seq_ptr, target)
 
 
@@ -358,7 +361,7 @@ def dispatch_send_kernel(
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
             ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
             _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
-    if _take_ticket(tickets_ptr, "sys"):
+    if _take_ticket(tickets_ptr, 1, tl.num_programs(0), "sys"):
         w_offs = tl.arange(0, WP)
         bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
         counts = (bases + counts_offset).to(tl.pointer_type(tl.int64)) + rank
@@ -505,7 +508,8 @@ def combine_send_kernel(
     w_offs = tl.arange(0, WP)
     counts = tl.load(recv_counts_ptr + w_offs, mask=w_offs < W, other=0)
     total = tl.sum(counts, 0)
-    for item in range(pid, total * ITEMS, tl.num_programs(0)):
+    programs = tl.num_programs(0)
+    for item in range(pid, total * ITEMS, programs):
         j = item // ITEMS
         src, pos = _source_of_row(counts, j, WP)
         base = tl.load(peer_bases + src)
@@ -525,7 +529,9 @@ def combine_send_kernel(
             FP8_MAX,
             FP8,
         )
-    if _take_ticket(tickets_ptr, "sys"):
+    # The grid covers the most rows a rank can receive: only programs with items take a ticket.
+    mine = tl.maximum(total * ITEMS - pid + programs - 1, 0) // programs
+    if _take_ticket(tickets_ptr, mine, total * ITEMS, "sys"):
         _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
 
 
