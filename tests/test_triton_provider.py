@@ -195,19 +195,25 @@ def test_routing_over_several_blocks_numbers_tokens_across_blocks(rng: random.Ra
 
 
 def test_a_rank_that_receives_nothing_and_programs_without_work_still_signal() -> None:
-    """Rank 0 receives no row (its combine send has no work: program 0 signals alone) and rank 1 one
-    row (the other programs are idle); rounds repeat, so the finish counters must be back to 0."""
+    """One rank sends one token to the other, which sends nothing, and the roles swap every round: the
+    rank that receives nothing has no combine work (program 0 signals alone), the other one row (its
+    other programs are idle). Every counter is back to 0 after each round and no receive gave up."""
     worlds = {p: LoopbackWorld(_config(2, mode=Mode.LOW_LATENCY, provider=p), DEVICE) for p in ("torch", "triton")}
     for op in worlds["triton"].ops:
         op.provider.max_spins = 1000  # a missing signal fails fast: in a loopback world every send came first
     cfg = worlds["torch"].ops[0].config
-    on_rank_1 = torch.arange(cfg.num_local_experts, 2 * cfg.num_local_experts)[:TOPK]
-    for seed in range(3):
-        xs, weights, _ = _inputs(cfg, [1, 0], seed)
-        ids = [on_rank_1.int().to(DEVICE).unsqueeze(0), torch.empty(0, TOPK, dtype=torch.int32, device=DEVICE)]
+    for seed in range(4):
+        sender = seed % 2
+        counts = [1, 0] if sender == 0 else [0, 1]
+        xs, weights, _ = _inputs(cfg, counts, seed)
+        experts = torch.arange(TOPK) + (1 - sender) * cfg.num_local_experts  # all on the other rank
+        ids = [experts.int().to(DEVICE).unsqueeze(0).repeat(n, 1) for n in counts]
         ref, got = _step(worlds["torch"], xs, weights, ids), _step(worlds["triton"], xs, weights, ids)
-        assert got[1] == [0, 1]
+        assert got[1] == counts[::-1]
         _assert_same(ref, got, 0)
+        for op in worlds["triton"].ops:
+            op.synchronize()  # raises if a receive gave up
+            assert not op.provider._tickets.any()
 
 
 def test_stalled_peer_raises_timeout_naming_it() -> None:
@@ -220,6 +226,8 @@ def test_stalled_peer_raises_timeout_naming_it() -> None:
     with pytest.raises(PeerTimeoutError, match="rank 1"):
         world.ops[0].dispatch_recv()
         world.ops[0].synchronize()
+    # The give-up belongs to that launch: the next receive waits again instead of giving up at once.
+    assert not world.ops[0].provider._tickets.any()
 
 
 def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:

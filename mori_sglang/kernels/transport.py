@@ -6,9 +6,9 @@ Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in 
     [sync: dispatch arrivals[W] | combine arrivals[W] | dispatch counts[W]]   (int64)
 
 A send kernel writes copy p of rank r into slot ``(r * max_tokens + p)`` of the destination's region.
-Its programs count themselves done on a ticket counter (acquire-release, system scope); the last one
-adds 1 to each destination's arrival counter for r (release, system scope), so every row precedes
-the signal without a kernel of its own. Arrival counters only grow: every program of a receive
+Its programs count their finished work on a ticket counter (acquire-release, system scope); the one
+that completes it adds 1 to each destination's arrival counter for r (release, system scope), so every
+row precedes the signal without a kernel of its own. Arrival counters only grow: every program of a receive
 kernel polls all senders' counters until they reach the next round number (acquire), and the last
 program to finish advances the round, so no buffer is ever reset, no wait kernel runs ahead of the
 copy, and a CUDA graph can replay everything. Round numbers live on the device (``seq``: dispatch
@@ -59,11 +59,14 @@ def _signal_arrival(peer_bases, arrivals_offset, rank, W: tl.constexpr, WP: tl.c
 
 
 @triton.jit
-def _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr):
+def _await_round(
+    arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr
+):
     """Spin until every sender's arrival counter reaches this round (acquire, system scope), polling all
     senders at once. Every program of a receive kernel waits for itself, so no wait kernel runs ahead.
-    Gives up after ``max_spins`` polls, or at once when another program already gave up, recording
-    ``1 + the first late sender`` in ``status[0]``. Returns the round, for ``_finish_round``."""
+    Gives up after ``max_spins`` polls, or at once when another program of this launch gave up (the word
+    after the kernel's ticket, cleared with it by ``_finish_round``), recording ``1 + the first late
+    sender`` in ``status[0]`` for the host. Returns the round, for ``_finish_round``."""
     target = tl.load(seq_ptr) + 1
     w_offs = tl.arange(0, WP)
     senders = w_offs < W
@@ -71,24 +74,28 @@ def _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W: 
     seen = tl.atomic_add(arrivals, 0, mask=senders, sem="acquire", scope="sys")
     late = tl.sum((senders & (seen < target)).to(tl.int32), 0)
     spins = 0
-    gave_up = tl.load(status_ptr, volatile=True)
+    gave_up_ptr = tickets_ptr + 1
+    gave_up = tl.load(gave_up_ptr, volatile=True)
     while (late > 0) & (spins < max_spins) & (gave_up == 0):
         seen = tl.atomic_add(arrivals, 0, mask=senders, sem="acquire", scope="sys")
         late = tl.sum((senders & (seen < target)).to(tl.int32), 0)
-        gave_up = tl.load(status_ptr, volatile=True)
+        gave_up = tl.load(gave_up_ptr, volatile=True)
         spins += 1
     if late > 0:
         first_late = tl.min(tl.where(senders & (seen < target), w_offs, WP), 0)
         tl.atomic_max(status_ptr, first_late + 1)
+        tl.atomic_xchg(gave_up_ptr, 1)
     tl.debug_barrier()  # every thread of the program reads the rows after the acquire
     return target
 
 
 @triton.jit
 def _finish_round(tickets_ptr, seq_ptr, target):
-    """The last program of a receive advances the round: every program has read it by then."""
+    """The last program of a receive advances the round (every program has read it by then) and clears
+    the launch's give-up word (every program has finished waiting)."""
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0), "gpu"):
         tl.store(seq_ptr, target)
+        tl.store(tickets_ptr + 1, 0)
 
 
 @triton.jit
@@ -399,7 +406,7 @@ def dispatch_recv_kernel(
 ):
     """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
     pid = tl.program_id(0)
-    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W, WP)
+    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W, WP)
     w_offs = tl.arange(0, WP)
     counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
     counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
@@ -561,7 +568,7 @@ def combine_recv_kernel(
     """Wait for every sender, then per token: dequantize its returned rows and add them in f32 in top-k
     order, cast once to bf16. A work item is one tile of TILE_BLOCKS blocks of one token."""
     pid = tl.program_id(0)
-    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, max_spins, W, WP)
+    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W, WP)
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
     TILES: tl.constexpr = (NUM_BLOCKS + TILE_BLOCKS - 1) // TILE_BLOCKS
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))

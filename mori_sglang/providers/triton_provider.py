@@ -137,8 +137,9 @@ class TritonProvider:
             self._peers_ready = True
         capacity = config.max_recv_tokens
         self.seq = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch round, combine round
-        # Programs done so far in the running kernel, one counter per kernel (back to 0 after each launch).
-        self._tickets = torch.zeros(len(TICKETS), dtype=torch.int32, device=device)
+        # Per kernel: [work done so far in the running launch, whether a program of it gave up waiting];
+        # both back to 0 at the end of every launch.
+        self._tickets = torch.zeros(len(TICKETS), 2, dtype=torch.int32, device=device)
         # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
         self._status = DeviceStatus(2, device)
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
@@ -173,12 +174,13 @@ class TritonProvider:
         return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
 
     def _grid(self, programs: int, items: int) -> tuple[int]:
-        """No more programs than work items: each program takes a ticket, idle ones only cost time.
-        At least one, which signals or advances the round when there is nothing to move."""
+        """No more programs than work items where the host knows them (idle programs only cost time;
+        the combine send's grid covers the most rows a rank can receive). At least one, which signals or
+        advances the round when there is nothing to move."""
         return (max(1, min(programs, items)),)
 
     def _ticket(self, kernel: str) -> torch.Tensor:
-        return self._tickets[TICKETS.index(kernel) :]
+        return self._tickets[TICKETS.index(kernel)]
 
     def _ensure_peers(self) -> None:
         if not self._peers_ready:
