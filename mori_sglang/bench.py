@@ -36,6 +36,7 @@ class Row:
     provider: str
     mode: str
     tokens: int
+    max_tokens_per_rank: int  # the buffers' capacity; decode batches run far below it in serving
     dispatch_dtype: str
     combine_dtype: str
     dispatch_us: float
@@ -189,6 +190,7 @@ def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw:
         provider=op.provider_kind.value,
         mode=cfg.mode.value,
         tokens=tokens,
+        max_tokens_per_rank=cfg.max_tokens_per_rank,
         dispatch_dtype=cfg.dispatch_dtype.value,
         combine_dtype=cfg.combine_dtype.value,
         dispatch_us=ds + dr,
@@ -251,6 +253,12 @@ def plot(rows: list[Row], path: str) -> None:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload flags both benchmarks share (sizes, dtypes, modes, iterations)."""
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument(
+        "--max-tokens-per-rank",
+        type=int,
+        help="buffer capacity per rank (default: each batch's own size); a server sizes its buffers for the "
+        "largest batch and runs decode batches far below it",
+    )
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
@@ -266,22 +274,31 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20)
 
 
-def workload_configs(args: argparse.Namespace, world_size: int, rank: int, provider: Provider) -> Iterator[EpConfig]:
-    """Every (mode, tokens per rank, combine dtype) point of the sweep the workload flags describe."""
+def workload_configs(
+    args: argparse.Namespace, world_size: int, rank: int, provider: Provider
+) -> Iterator[tuple[EpConfig, int]]:
+    """Every (mode, tokens per rank, combine dtype) point of the sweep the workload flags describe, as
+    the op's config and the batch size per rank."""
+    capacity = args.max_tokens_per_rank
+    if capacity is not None and capacity < max(args.tokens):
+        raise SystemExit(f"--max-tokens-per-rank {capacity} is below the largest --tokens value {max(args.tokens)}")
     for mode in args.mode:
         for tokens in args.tokens:
             for combine in args.combine_dtype:
-                yield EpConfig(
-                    world_size=world_size,
-                    rank=rank,
-                    hidden=args.hidden,
-                    num_experts=args.experts,
-                    topk=args.topk,
-                    max_tokens_per_rank=tokens,
-                    dispatch_dtype=args.dispatch_dtype,
-                    combine_dtype=combine,
-                    mode=mode,
-                    provider=provider,
+                yield (
+                    EpConfig(
+                        world_size=world_size,
+                        rank=rank,
+                        hidden=args.hidden,
+                        num_experts=args.experts,
+                        topk=args.topk,
+                        max_tokens_per_rank=capacity or tokens,
+                        dispatch_dtype=args.dispatch_dtype,
+                        combine_dtype=combine,
+                        mode=mode,
+                        provider=provider,
+                    ),
+                    tokens,
                 )
 
 
@@ -300,8 +317,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     bw = copy_bandwidth(device)
     rows: list[Row] = []
     baseline: dict[tuple, Row] = {}
-    for cfg in workload_configs(args, args.world, 0, Provider(args.provider)):
-        tokens = cfg.max_tokens_per_rank
+    for cfg, tokens in workload_configs(args, args.world, 0, Provider(args.provider)):
         row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw)
         rows.append(row)
         if not args.no_baseline and args.provider != "torch":
@@ -309,6 +325,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw)
             baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
             rows.append(base)
+    if args.max_tokens_per_rank:
+        print(f"buffers sized for {args.max_tokens_per_rank} tokens per rank")
     print(markdown(rows, baseline, bw))
     if args.json:
         with open(args.json, "w") as f:

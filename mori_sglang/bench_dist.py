@@ -83,10 +83,9 @@ def _step(op: EpDispatchCombineOp, x, weights, ids, device: torch.device) -> tup
     return t_dispatch.seconds, t_combine.seconds, out.num_recv_host()
 
 
-def bench(cfg: EpConfig, device: torch.device, iters: int, seed: int) -> DistRow:
+def bench(cfg: EpConfig, tokens: int, device: torch.device, iters: int, seed: int) -> DistRow:
     op = EpDispatchCombineOp(cfg, device=device)
     gen = torch.Generator().manual_seed(seed * 1000 + cfg.rank)
-    tokens = cfg.max_tokens_per_rank
     x = torch.randn(tokens, cfg.hidden, generator=gen).to(torch.bfloat16).to(device)
     ids = torch.rand(tokens, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.int().to(device)
     weights = torch.rand(tokens, cfg.topk, generator=gen).to(device)
@@ -159,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_baseline and providers[0] is not Provider.TORCH:
         providers.append(Provider.TORCH)
     rows = [
-        bench(replace(cfg, provider=provider), device, args.iters, args.seed)
-        for cfg in workload_configs(args, world, rank, providers[0])
+        bench(replace(cfg, provider=provider), tokens, device, args.iters, args.seed)
+        for cfg, tokens in workload_configs(args, world, rank, providers[0])
         for provider in providers
     ]
     if rank == 0:

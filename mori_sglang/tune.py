@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, Row]]:
     results = []
     for name, changes in variants:
         tuning = dataclasses.replace(KernelTuning(), **changes)
-        for cfg in workload_configs(args, args.world, 0, Provider.TRITON):
-            row, _ = bench_one(cfg, cfg.max_tokens_per_rank, device, args.iters, device.type == "cuda", bw, tuning)
+        for cfg, tokens in workload_configs(args, args.world, 0, Provider.TRITON):
+            row, _ = bench_one(cfg, tokens, device, args.iters, device.type == "cuda", bw, tuning)
             results.append((name, row))
     print(f"copy roofline (read+write): {bw:.0f} GB/s\n")
     print(markdown(results))

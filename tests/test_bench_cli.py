@@ -43,6 +43,19 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
     assert len(data["rows"]) == 4 and data["copy_gbs"] > 0
 
 
+def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path) -> None:
+    """Decode batches run far below the buffers' capacity in a server: the capacity is its own flag."""
+    out = tmp_path / "bench.json"
+    common = [sys.executable, "-m", "mori_sglang.bench", "--world", "2", "--mode", "low_latency", *SMALL]
+    text = _run([*common, "--tokens", "3", "5", "--max-tokens-per-rank", "16", "--json", str(out)], tmp_path)
+    assert "buffers sized for 16 tokens per rank" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({(r["tokens"], r["max_tokens_per_rank"]) for r in rows}) == [(3, 16), (5, 16)]
+    done = subprocess.run([*common, "--tokens", "32", "--max-tokens-per-rank", "16"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode != 0 and "--max-tokens-per-rank 16 is below the largest --tokens value 32" in done.stderr
+
+
 @pytest.mark.slow
 def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "dist.json"
