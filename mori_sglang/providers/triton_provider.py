@@ -77,7 +77,7 @@ TILE_FIELDS = (
 MIN_TILE = 64
 
 
-# Which ticket counter each kernel counts its finished programs on.
+# The kernels that count their finished work (one row of ``_tickets`` each, in this order).
 TICKETS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
