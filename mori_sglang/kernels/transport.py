@@ -59,6 +59,13 @@ def _signal_arrival(peer_bases, arrivals_offset, rank, W: tl.constexpr, WP: tl.c
 
 
 @triton.jit
+def _late_senders(arrivals, senders, target):
+    """Poll every sender's arrival counter at once (acquire, system scope): which are behind ``target``."""
+    seen = tl.atomic_add(arrivals, 0, mask=senders, sem="acquire", scope="sys")
+    return senders & (seen < target)
+
+
+@triton.jit
 def _await_round(
     arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr
 ):
@@ -71,19 +78,16 @@ def _await_round(
     w_offs = tl.arange(0, WP)
     senders = w_offs < W
     arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
-    seen = tl.atomic_add(arrivals, 0, mask=senders, sem="acquire", scope="sys")
-    late = tl.sum((senders & (seen < target)).to(tl.int32), 0)
+    late = _late_senders(arrivals, senders, target)
     spins = 0
     gave_up_ptr = tickets_ptr + 1
     gave_up = tl.load(gave_up_ptr, volatile=True)
-    while (late > 0) & (spins < max_spins) & (gave_up == 0):
-        seen = tl.atomic_add(arrivals, 0, mask=senders, sem="acquire", scope="sys")
-        late = tl.sum((senders & (seen < target)).to(tl.int32), 0)
+    while (tl.max(late.to(tl.int32), 0) > 0) & (spins < max_spins) & (gave_up == 0):
+        late = _late_senders(arrivals, senders, target)
         gave_up = tl.load(gave_up_ptr, volatile=True)
         spins += 1
-    if late > 0:
-        first_late = tl.min(tl.where(senders & (seen < target), w_offs, WP), 0)
-        tl.atomic_max(status_ptr, first_late + 1)
+    if tl.max(late.to(tl.int32), 0) > 0:
+        tl.atomic_max(status_ptr, tl.min(tl.where(late, w_offs, WP), 0) + 1)
         tl.atomic_xchg(gave_up_ptr, 1)
     tl.debug_barrier()  # every thread of the program reads the rows after the acquire
     return target

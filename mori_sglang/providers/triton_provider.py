@@ -153,6 +153,8 @@ class TritonProvider:
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         self._slot_of_pair: torch.Tensor | None = None
+        # Each copy's destination row address, made by the routing for the send right after it.
+        self._row_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
         self._num_tokens = 0
         self._combine_handle: CombineHandle | None = None
         self.fp8_name = TRITON_FP8[fp8_dtype]
@@ -222,7 +224,7 @@ class TritonProvider:
         self._num_tokens = payload.shape[0]
         ids = ids.int().contiguous()
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
-        row_of_pair = torch.empty_like(self._slot_of_pair)
+        row_of_pair = self._row_of_pair[: self._num_tokens]
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
         route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), MIN_TILE))
         blocks = max(1, triton.cdiv(self._num_tokens, route_block))
