@@ -28,6 +28,7 @@ from mori_sglang.roundtrip import resolve_device
 from mori_sglang.routing import owning_destinations
 
 if TYPE_CHECKING:
+    from mori_sglang.bench_dist import DistRow
     from mori_sglang.providers.triton_provider import KernelTuning
 
 
@@ -209,6 +210,13 @@ def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw:
     )
 
 
+def speedup_cells(row: Row | DistRow, base: Row | DistRow | None) -> tuple[str, str]:
+    """Dispatch and combine time of the torch baseline over the row's, as table cells ("-" without one)."""
+    if base is None:
+        return "-", "-"
+    return f"{base.dispatch_us / row.dispatch_us:.1f}", f"{base.combine_us / row.combine_us:.1f}"
+
+
 def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str:
     lines = [
         f"copy roofline (read+write): {copy_bw:.0f} GB/s",
@@ -219,9 +227,7 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
         "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        base = baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype))
-        ratio_d = f"{base.dispatch_us / r.dispatch_us:.1f}" if base else "-"
-        ratio_c = f"{base.combine_us / r.combine_us:.1f}" if base else "-"
+        ratio_d, ratio_c = speedup_cells(r, baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype)))
         lines.append(
             f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
             f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.0f} | {r.combine_gbs:.0f} | "

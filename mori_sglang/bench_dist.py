@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mori_sglang import formats
-from mori_sglang.bench import add_workload_args, workload_configs
+from mori_sglang.bench import add_workload_args, speedup_cells, workload_configs
 from mori_sglang.config import DispatchDtype, EpConfig, Provider
 from mori_sglang.op import EpDispatchCombineOp
 
@@ -128,9 +128,7 @@ def markdown(rows: list[DistRow]) -> str:
         "| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        base = baseline.get((r.mode, r.tokens, r.combine_dtype))
-        ratio_d = f"{base.dispatch_us / r.dispatch_us:.1f}" if base else "-"
-        ratio_c = f"{base.combine_us / r.combine_us:.1f}" if base else "-"
+        ratio_d, ratio_c = speedup_cells(r, baseline.get((r.mode, r.tokens, r.combine_dtype)))
         lines.append(
             f"| {r.provider} | {r.mode} | {r.world} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
             f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.1f} | {r.combine_gbs:.1f} | "
