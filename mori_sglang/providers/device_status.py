@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -32,6 +34,13 @@ class DeviceStatus:
         if torch.cuda.is_current_stream_capturing():
             return False
         return self._event.query() and bool(self._host.any())
+
+    def after_step(self, raise_flags: Callable[[], None]) -> None:
+        """End of a receive: ``raise_flags`` (the provider's check, which reads the flags and raises)
+        if an earlier step's published copy shows one, then publish this step's flags."""
+        if self.pending():
+            raise_flags()
+        self.publish()
 
     def publish(self) -> None:
         if self._on_gpu and not torch.cuda.is_current_stream_capturing():

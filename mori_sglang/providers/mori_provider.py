@@ -224,9 +224,7 @@ class MoriProvider:
             raise RuntimeError("dispatch_recv called without a dispatch_send before it")
         if self._split:
             self.op.dispatch_recv()
-        if self._status.pending():
-            self.check_status()
-        self._status.publish()
+        self._status.after_step(self.check_status)
         tokens, weights, scales, ids, num_recv = self._dispatched[:5]
         self._dispatched = None
         scale_view = None

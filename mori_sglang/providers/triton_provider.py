@@ -200,12 +200,6 @@ class TritonProvider:
                 "signalled; it is stalled, crashed or ran a different number of dispatch/combine calls"
             )
 
-    def _after_receive(self) -> None:
-        """Surface a stalled peer or a bad id without a host sync (DeviceStatus): at the next call."""
-        if self._status.pending():
-            self.check_status()
-        self._status.publish()
-
     # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch_send(
@@ -333,7 +327,7 @@ class TritonProvider:
             BLOCK=self.tuning.copy_block,
             num_warps=self.tuning.recv_warps,
         )
-        self._after_receive()
+        self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         handle = CombineHandle(
             num_tokens=self._num_tokens,
             copy_of_pair=self._slot_of_pair,
@@ -430,7 +424,7 @@ class TritonProvider:
             enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
             num_warps=warps,
         )
-        self._after_receive()
+        self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         return out
 
 
