@@ -6,14 +6,14 @@ Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in 
     [sync: dispatch arrivals[W] | combine arrivals[W] | dispatch counts[W]]   (int64)
 
 A send kernel writes copy p of rank r into slot ``(r * max_tokens + p)`` of the destination's region.
-Its programs count their finished work on a ticket counter (acquire-release, system scope); the one
-that completes it adds 1 to each destination's arrival counter for r (release, system scope), so every
-row precedes the signal without a kernel of its own. Arrival counters only grow: every program of a receive
-kernel polls all senders' counters until they reach the next round number (acquire), and the last
-program to finish advances the round, so no buffer is ever reset, no wait kernel runs ahead of the
-copy, and a CUDA graph can replay everything. Round numbers live on the device (``seq``: dispatch
-round, combine round). A receive gives up after ``max_spins`` polls and records ``1 + peer`` in
-``status`` for the host to raise.
+Its programs count their finished work on a ticket counter (acquire-release, GPU scope); the one that
+completes it adds 1 to each destination's arrival counter for r (release, system scope), so every row
+precedes the signal without a kernel of its own. Arrival counters only grow: a receive kernel waits
+until all senders' counters reach the next round number (acquire), the first of its programs to see
+that opens a local gate for the others, and the last program to finish advances the round, so no
+buffer is ever reset, no wait kernel runs ahead of the copy, and a CUDA graph can replay everything.
+Round numbers live on the device (``seq[i]``: round, gate; i = dispatch, combine). A receive gives up
+after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the host to raise.
 """
 
 from __future__ import annotations
@@ -32,15 +32,18 @@ COMBINE_FP8_BLOCKWISE_NATIVE = 3
 
 
 @triton.jit
-def _take_ticket(tickets_ptr, done, total, SCOPE: tl.constexpr):
+def _take_ticket(tickets_ptr, done, total):
     """Add this program's ``done`` work units to the kernel's counter; True in the program that brings
     it to ``total`` (program 0 when there is no work), which resets the counter for the next launch
     (kernels of one stream never overlap). Programs without work leave the counter alone. The
-    acquire-release at SCOPE orders every store of the programs before the last one's next operations."""
+    acquire-release (GPU scope: every program runs on this GPU) orders every store of the programs,
+    peer rows included, before the last one's next operations; a release at system scope from that
+    program then carries them all to the peer (causality is transitive across scopes, the chain DeepEP's
+    low-latency dispatch uses between its sending warps and its signalling thread)."""
     tl.debug_barrier()  # all threads' stores of this program precede its ticket
     last = (total == 0) & (tl.program_id(0) == 0)
     if done > 0:
-        before = tl.atomic_add(tickets_ptr, done, sem="acq_rel", scope=SCOPE)
+        before = tl.atomic_add(tickets_ptr, done, sem="acq_rel", scope="gpu")
         last = before + done == total
     if last:
         tl.store(tickets_ptr, 0)
@@ -69,26 +72,33 @@ def _late_senders(arrivals, senders, target):
 def _await_round(
     arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr
 ):
-    """Spin until every sender's arrival counter reaches this round (acquire, system scope), polling all
-    senders at once. Every program of a receive kernel waits for itself, so no wait kernel runs ahead.
-    Gives up after ``max_spins`` polls, or at once when another program of this launch gave up (the word
-    after the kernel's ticket, cleared with it by ``_finish_round``), recording ``1 + the first late
-    sender`` in ``status[0]`` for the host. Returns the round, for ``_finish_round``."""
+    """Wait until every sender's arrival counter reaches this round. ``seq_ptr[1]`` is a local gate: the
+    round whose senders a program of this rank has already seen arrive (acquire, system scope), which it
+    then publishes (release, GPU scope). A program that finds the gate open needs one atomic instead of
+    one per sender, and the causality chain sender -> first program -> this program orders the rows
+    before its reads. Otherwise it polls all senders at once and gives up after ``max_spins`` polls, or
+    at once when another program of this launch gave up (the word after the kernel's ticket, cleared with
+    it by ``_finish_round``), recording ``1 + the first late sender`` in ``status[0]`` for the host.
+    Returns the round, for ``_finish_round``."""
     target = tl.load(seq_ptr) + 1
-    w_offs = tl.arange(0, WP)
-    senders = w_offs < W
-    arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
-    late = _late_senders(arrivals, senders, target)
-    spins = 0
-    gave_up_ptr = tickets_ptr + 1
-    gave_up = tl.load(gave_up_ptr, volatile=True)
-    while (tl.max(late.to(tl.int32), 0) > 0) & (spins < max_spins) & (gave_up == 0):
+    gate = seq_ptr + 1
+    if tl.atomic_add(gate, 0, sem="acquire", scope="gpu") < target:
+        w_offs = tl.arange(0, WP)
+        senders = w_offs < W
+        arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
         late = _late_senders(arrivals, senders, target)
+        spins = 0
+        gave_up_ptr = tickets_ptr + 1
         gave_up = tl.load(gave_up_ptr, volatile=True)
-        spins += 1
-    if tl.max(late.to(tl.int32), 0) > 0:
-        tl.atomic_max(status_ptr, tl.min(tl.where(late, w_offs, WP), 0) + 1)
-        tl.atomic_xchg(gave_up_ptr, 1)
+        while (tl.max(late.to(tl.int32), 0) > 0) & (spins < max_spins) & (gave_up == 0):
+            late = _late_senders(arrivals, senders, target)
+            gave_up = tl.load(gave_up_ptr, volatile=True)
+            spins += 1
+        if tl.max(late.to(tl.int32), 0) > 0:
+            tl.atomic_max(status_ptr, tl.min(tl.where(late, w_offs, WP), 0) + 1)
+            tl.atomic_xchg(gave_up_ptr, 1)
+        else:
+            tl.atomic_max(gate, target, sem="release", scope="gpu")
     tl.debug_barrier()  # every thread of the program reads the rows after the acquire
     return target
 
@@ -97,7 +107,7 @@ def _await_round(
 def _finish_round(tickets_ptr, seq_ptr, target):
     """The last program of a receive advances the round (every program has read it by then) and clears
     the launch's give-up word (every program has finished waiting)."""
-    if _take_ticket(tickets_ptr, 1, tl.num_programs(0), "gpu"):
+    if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
         tl.store(seq_ptr, target)
         tl.store(tickets_ptr + 1, 0)
 
@@ -372,7 +382,7 @@ def dispatch_send_kernel(
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
             ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
             _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
-    if _take_ticket(tickets_ptr, 1, tl.num_programs(0), "sys"):
+    if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
         w_offs = tl.arange(0, WP)
         bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
         counts = (bases + counts_offset).to(tl.pointer_type(tl.int64)) + rank
@@ -407,6 +417,7 @@ def dispatch_recv_kernel(
     W: tl.constexpr,
     WP: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
     pid = tl.program_id(0)
@@ -418,14 +429,25 @@ def dispatch_recv_kernel(
     rows = arena_ptr.to(tl.pointer_type(tl.int32))
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
+    s_offs = tl.arange(0, SCALE_BLOCK)
+    s_mask = s_offs < STRIDE_WORDS
     for j in range(pid, total, tl.num_programs(0)):
         src, pos = _source_of_row(counts, j, WP)
         row = rows + (src * max_tokens + pos) * ROW_WORDS
-        _copy_words(tokens_out + j * TOKEN_WORDS, row, TOKEN_WORDS, BLOCK)
-        if STRIDE_WORDS > 0:
-            _copy_words(scales_out + j * STRIDE_WORDS, row + SCALE_AT, STRIDE_WORDS, BLOCK)
-        tl.store(weights_out + j * K + k_offs, tl.load(row + WEIGHTS_AT + k_offs, mask=k_mask), mask=k_mask)
-        tl.store(ids_out + j * K + k_offs, tl.load(row + IDS_AT + k_offs, mask=k_mask), mask=k_mask)
+        # Every load of the row before any store: one memory round trip per row, not one per section.
+        if TOKEN_WORDS <= BLOCK:
+            t_offs = tl.arange(0, BLOCK)
+            token = tl.load(row + t_offs, mask=t_offs < TOKEN_WORDS)
+        scale_words = tl.load(row + SCALE_AT + s_offs, mask=s_mask)
+        weights = tl.load(row + WEIGHTS_AT + k_offs, mask=k_mask)
+        ids = tl.load(row + IDS_AT + k_offs, mask=k_mask)
+        if TOKEN_WORDS <= BLOCK:
+            tl.store(tokens_out + j * TOKEN_WORDS + t_offs, token, mask=t_offs < TOKEN_WORDS)
+        else:
+            _copy_words(tokens_out + j * TOKEN_WORDS, row, TOKEN_WORDS, BLOCK)
+        tl.store(scales_out + j * STRIDE_WORDS + s_offs, scale_words, mask=s_mask)
+        tl.store(weights_out + j * K + k_offs, weights, mask=k_mask)
+        tl.store(ids_out + j * K + k_offs, ids, mask=k_mask)
     if pid == 0:
         tl.store(num_recv_out, total.to(tl.int32))
         tl.store(recv_counts_out + w_offs, counts, mask=w_offs < W)
@@ -542,7 +564,7 @@ def combine_send_kernel(
         )
     # The grid covers the most rows a rank can receive: only programs with items take a ticket.
     mine = tl.maximum(total * ITEMS - pid + programs - 1, 0) // programs
-    if _take_ticket(tickets_ptr, mine, total * ITEMS, "sys"):
+    if _take_ticket(tickets_ptr, mine, total * ITEMS):
         _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
 
 

@@ -136,7 +136,8 @@ class TritonProvider:
             self.arena = Arena.symmetric(self.arena_layout, group or dist.group.WORLD, device)
             self._peers_ready = True
         capacity = config.max_recv_tokens
-        self.seq = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch round, combine round
+        # Per round kind (dispatch, combine): [the round, the round whose senders have all arrived].
+        self.seq = torch.zeros(2, 2, dtype=torch.int64, device=device)
         # Per kernel: [work done so far in the running launch, whether a program of it gave up waiting];
         # both back to 0 at the end of every launch.
         self._tickets = torch.zeros(len(TICKETS), 2, dtype=torch.int32, device=device)
@@ -303,7 +304,7 @@ class TritonProvider:
     def _wait_args(self, round_index: int) -> tuple:
         """The receive kernels' round, status, ticket and spin bound arguments."""
         kernel = ("dispatch_recv", "combine_recv")[round_index]
-        return (self.seq[round_index:], self._status.flags, self._ticket(kernel), self.max_spins)
+        return (self.seq[round_index], self._status.flags, self._ticket(kernel), self.max_spins)
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
         if self._slot_of_pair is None:
@@ -325,6 +326,7 @@ class TritonProvider:
             ROW_WORDS=_words(layout.row_bytes),
             WP=triton.next_power_of_2(cfg.world_size),
             BLOCK=self.tuning.copy_block,
+            SCALE_BLOCK=triton.next_power_of_2(max(1, _words(layout.scale_stride))),
             num_warps=self.tuning.recv_warps,
         )
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
