@@ -214,6 +214,8 @@ def test_a_rank_that_receives_nothing_and_programs_without_work_still_signal() -
         for op in worlds["triton"].ops:
             op.synchronize()  # raises if a receive gave up
             assert not op.provider._tickets.any()
+            assert op.provider.rounds[:, 0].tolist() == [seed + 1, seed + 1]  # one round each per step
+            assert not op.provider.rounds[:, 2].any()
 
 
 def test_stalled_peer_raises_timeout_naming_it() -> None:
@@ -226,8 +228,12 @@ def test_stalled_peer_raises_timeout_naming_it() -> None:
     with pytest.raises(PeerTimeoutError, match="rank 1"):
         world.ops[0].dispatch_recv()
         world.ops[0].synchronize()
-    # The give-up belongs to that launch: the next receive waits again instead of giving up at once.
-    assert not world.ops[0].provider._tickets.any()
+    # The give-up belongs to that round: the next send clears it, so the next receive waits again
+    # instead of giving up at once.
+    rounds = world.ops[0].provider.rounds
+    assert rounds[0].tolist() == [1, 0, 1]  # round 1, its senders never all arrived, a receive gave up
+    world.ops[0].dispatch_send(xs[0], weights[0], None, ids[0])
+    assert rounds[0].tolist() == [2, 0, 0]
 
 
 def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:

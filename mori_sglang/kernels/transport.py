@@ -8,12 +8,14 @@ Every rank owns one arena (symmetric memory on GPUs of a node, plain buffers in 
 A send kernel writes copy p of rank r into slot ``(r * max_tokens + p)`` of the destination's region.
 Its programs count their finished work on a ticket counter (acquire-release, GPU scope); the one that
 completes it adds 1 to each destination's arrival counter for r (release, system scope), so every row
-precedes the signal without a kernel of its own. Arrival counters only grow: a receive kernel waits
-until all senders' counters reach the next round number (acquire), the first of its programs to see
-that opens a local gate for the others, and the last program to finish advances the round, so no
-buffer is ever reset, no wait kernel runs ahead of the copy, and a CUDA graph can replay everything.
-Round numbers live on the device (``seq[i]``: round, gate; i = dispatch, combine). A receive gives up
-after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the host to raise.
+precedes the signal without a kernel of its own, and advances the sender's own round for the receive
+that follows it in the stream. Arrival counters only grow: a receive kernel waits until all senders'
+counters reach its round (acquire), and the first of its programs to see that opens a local gate for
+the others. So no buffer is ever reset, no wait kernel runs ahead of the copy, a receive ends without
+any bookkeeping atomics, and a CUDA graph can replay everything. Per round kind (dispatch, combine)
+three local words live on the device: the round, the gate, and whether a receive gave up on the
+round. A receive gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the
+host to raise.
 """
 
 from __future__ import annotations
@@ -69,26 +71,32 @@ def _late_senders(arrivals, senders, target):
 
 
 @triton.jit
-def _await_round(
-    arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr
-):
-    """Wait until every sender's arrival counter reaches this round. ``seq_ptr[1]`` is a local gate: the
-    round whose senders a program of this rank has already seen arrive (acquire, system scope), which it
-    then publishes (release, GPU scope). A program that finds the gate open needs one atomic instead of
-    one per sender, and the causality chain sender -> first program -> this program orders the rows
-    before its reads. Otherwise it polls all senders at once and gives up after ``max_spins`` polls, or
-    at once when another program of this launch gave up (the word after the kernel's ticket, cleared with
-    it by ``_finish_round``), recording ``1 + the first late sender`` in ``status[0]`` for the host.
-    Returns the round, for ``_finish_round``."""
-    target = tl.load(seq_ptr) + 1
-    gate = seq_ptr + 1
+def _advance_round(round_ptr):
+    """Called by the last program of a send: this kind's receive waits for the next round, and has not
+    given up on it. Nothing else touches the words while a send runs (the receive before it has
+    finished, the one after it has not started), and the end of the kernel publishes them."""
+    tl.atomic_add(round_ptr, 1, sem="relaxed", scope="gpu")
+    tl.store(round_ptr + 2, 0)
+
+
+@triton.jit
+def _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr):
+    """Wait until every sender's arrival counter reaches this rank's round ``round_ptr[0]``.
+    ``round_ptr[1]`` is a local gate: the round whose senders a program of this rank has already seen
+    arrive (acquire, system scope), which it then publishes (release, GPU scope). A program that finds
+    the gate open needs one atomic instead of one per sender, and the causality chain sender -> first
+    program -> this program orders the rows before its reads. Otherwise it polls all senders at once and
+    gives up after ``max_spins`` polls, or at once when another program gave up on this round
+    (``round_ptr[2]``), recording ``1 + the first late sender`` in ``status[0]`` for the host."""
+    target = tl.load(round_ptr)
+    gate = round_ptr + 1
     if tl.atomic_add(gate, 0, sem="acquire", scope="gpu") < target:
         w_offs = tl.arange(0, WP)
         senders = w_offs < W
         arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
         late = _late_senders(arrivals, senders, target)
         spins = 0
-        gave_up_ptr = tickets_ptr + 1
+        gave_up_ptr = round_ptr + 2
         gave_up = tl.load(gave_up_ptr, volatile=True)
         while (tl.max(late.to(tl.int32), 0) > 0) & (spins < max_spins) & (gave_up == 0):
             late = _late_senders(arrivals, senders, target)
@@ -100,16 +108,6 @@ def _await_round(
         else:
             tl.atomic_max(gate, target, sem="release", scope="gpu")
     tl.debug_barrier()  # every thread of the program reads the rows after the acquire
-    return target
-
-
-@triton.jit
-def _finish_round(tickets_ptr, seq_ptr, target):
-    """The last program of a receive advances the round (every program has read it by then) and clears
-    the launch's give-up word (every program has finished waiting)."""
-    if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
-        tl.store(seq_ptr, target)
-        tl.store(tickets_ptr + 1, 0)
 
 
 @triton.jit
@@ -288,6 +286,7 @@ def dispatch_send_kernel(
     row_of_pair_ptr,
     send_counts_ptr,
     tickets_ptr,
+    round_ptr,
     num_tokens,
     rank,
     counts_offset,
@@ -383,6 +382,7 @@ def dispatch_send_kernel(
             ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
             _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
+        _advance_round(round_ptr)
         w_offs = tl.arange(0, WP)
         bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
         counts = (bases + counts_offset).to(tl.pointer_type(tl.int64)) + rank
@@ -399,9 +399,8 @@ def dispatch_recv_kernel(
     ids_out,
     num_recv_out,
     recv_counts_out,
-    seq_ptr,
+    round_ptr,
     status_ptr,
-    tickets_ptr,
     max_spins,
     max_tokens,
     counts_offset,
@@ -421,7 +420,7 @@ def dispatch_recv_kernel(
 ):
     """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
     pid = tl.program_id(0)
-    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W, WP)
+    _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W, WP)
     w_offs = tl.arange(0, WP)
     counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
     counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
@@ -451,7 +450,6 @@ def dispatch_recv_kernel(
     if pid == 0:
         tl.store(num_recv_out, total.to(tl.int32))
         tl.store(recv_counts_out + w_offs, counts, mask=w_offs < W)
-    _finish_round(tickets_ptr, seq_ptr, target)
 
 
 @triton.jit
@@ -518,6 +516,7 @@ def combine_send_kernel(
     y_ptr,
     recv_counts_ptr,
     tickets_ptr,
+    round_ptr,
     rank,
     max_tokens,
     combine_offset,
@@ -565,6 +564,7 @@ def combine_send_kernel(
     # The grid covers the most rows a rank can receive: only programs with items take a ticket.
     mine = tl.maximum(total * ITEMS - pid + programs - 1, 0) // programs
     if _take_ticket(tickets_ptr, mine, total * ITEMS):
+        _advance_round(round_ptr)
         _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
 
 
@@ -573,9 +573,8 @@ def combine_recv_kernel(
     arena_ptr,
     slot_of_pair_ptr,
     out_ptr,
-    seq_ptr,
+    round_ptr,
     status_ptr,
-    tickets_ptr,
     max_spins,
     num_tokens,
     combine_offset,
@@ -594,7 +593,7 @@ def combine_recv_kernel(
     """Wait for every sender, then per token: dequantize its returned rows and add them in f32 in top-k
     order, cast once to bf16. A work item is one tile of TILE_BLOCKS blocks of one token."""
     pid = tl.program_id(0)
-    target = _await_round(arena_ptr, arrivals_offset, seq_ptr, status_ptr, tickets_ptr, max_spins, W, WP)
+    _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W, WP)
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
     TILES: tl.constexpr = (NUM_BLOCKS + TILE_BLOCKS - 1) // TILE_BLOCKS
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
@@ -623,4 +622,3 @@ def combine_recv_kernel(
                     v = v * s[:, None]
             acc = acc + v  # masked lanes hold 0 (or are never stored)
         tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)
-    _finish_round(tickets_ptr, seq_ptr, target)

@@ -47,7 +47,7 @@ class KernelTuning:
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
-    send_programs_per_sm: int = 32
+    send_programs_per_sm: int = 48
     copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
     combine_send_tile: int = 8192  # elements per work item of the combine send
@@ -77,8 +77,8 @@ TILE_FIELDS = (
 MIN_TILE = 64
 
 
-# The kernels that count their finished work (one row of ``_tickets`` each, in this order).
-TICKETS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+# The kernels that count their finished work (one word of ``_tickets`` each, in this order).
+TICKETS = ("dispatch_send", "combine_send")
 
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
 INTERPRETER_PROGRAMS = 2
@@ -136,11 +136,11 @@ class TritonProvider:
             self.arena = Arena.symmetric(self.arena_layout, group or dist.group.WORLD, device)
             self._peers_ready = True
         capacity = config.max_recv_tokens
-        # Per round kind (dispatch, combine): [the round, the round whose senders have all arrived].
-        self.seq = torch.zeros(2, 2, dtype=torch.int64, device=device)
-        # Per kernel: [work done so far in the running launch, whether a program of it gave up waiting];
-        # both back to 0 at the end of every launch.
-        self._tickets = torch.zeros(len(TICKETS), 2, dtype=torch.int32, device=device)
+        # Per round kind (dispatch, combine): [the round its next receive waits for (advanced by the
+        # send), the last round whose senders were all seen to arrive, whether a receive gave up on it].
+        self.rounds = torch.zeros(2, 3, dtype=torch.int64, device=device)
+        # Per send kernel: work done so far in the running launch, back to 0 at its end.
+        self._tickets = torch.zeros(len(TICKETS), dtype=torch.int32, device=device)
         # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
         self._status = DeviceStatus(2, device)
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
@@ -183,7 +183,8 @@ class TritonProvider:
         return (max(1, min(programs, items)),)
 
     def _ticket(self, kernel: str) -> torch.Tensor:
-        return self._tickets[TICKETS.index(kernel)]
+        index = TICKETS.index(kernel)
+        return self._tickets[index : index + 1]
 
     def _ensure_peers(self) -> None:
         if not self._peers_ready:
@@ -267,6 +268,7 @@ class TritonProvider:
             row_of_pair,
             self.send_counts,
             self._ticket("dispatch_send"),
+            self.rounds[0],
             self._num_tokens,
             cfg.rank,
             self.arena_layout.counts_offset,
@@ -302,9 +304,8 @@ class TritonProvider:
         }
 
     def _wait_args(self, round_index: int) -> tuple:
-        """The receive kernels' round, status, ticket and spin bound arguments."""
-        kernel = ("dispatch_recv", "combine_recv")[round_index]
-        return (self.seq[round_index], self._status.flags, self._ticket(kernel), self.max_spins)
+        """The receive kernels' round, status and spin bound arguments."""
+        return (self.rounds[round_index], self._status.flags, self.max_spins)
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
         if self._slot_of_pair is None:
@@ -381,6 +382,7 @@ class TritonProvider:
             y.contiguous(),
             handle.recv_counts,
             self._ticket("combine_send"),
+            self.rounds[1],
             cfg.rank,
             cfg.max_tokens_per_rank,
             self.arena_layout.combine_offset,
