@@ -56,7 +56,8 @@ class KernelTuning:
     combine_recv_warps: int = 4
     combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
     combine_recv_warps_fp8: int = 2
-    programs_per_sm: int = 16  # receive and combine kernels
+    programs_per_sm: int = 32  # dispatch receive and combine send: one row or tile copied per item
+    combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
 
     def __post_init__(self) -> None:
         for name in TILE_FIELDS:
@@ -164,8 +165,13 @@ class TritonProvider:
 
     @property
     def programs(self) -> int:
-        """Programs of the receive and combine kernels (from the tuning unless fixed at construction)."""
+        """Programs of the dispatch receive and the combine send (from the tuning unless fixed at
+        construction)."""
         return self._program_count(self.tuning.programs_per_sm)
+
+    @property
+    def combine_recv_programs(self) -> int:
+        return self._program_count(self.tuning.combine_recv_programs_per_sm)
 
     @property
     def send_programs(self) -> int:
@@ -412,7 +418,7 @@ class TritonProvider:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         meta = self._combine_meta(tile)
         tiles = triton.cdiv(cfg.hidden // cfg.combine_block, meta["TILE_BLOCKS"])
-        transport.combine_recv_kernel[self._grid(self.programs, handle.num_tokens * tiles)](
+        transport.combine_recv_kernel[self._grid(self.combine_recv_programs, handle.num_tokens * tiles)](
             self.arena.base,
             handle.slot_of_pair,
             out,
