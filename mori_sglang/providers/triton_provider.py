@@ -51,7 +51,7 @@ class KernelTuning:
     copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
     combine_send_tile: int = 8192  # elements per work item of the combine send
-    combine_send_warps: int = 8
+    combine_send_warps: int = 4
     combine_recv_tile: int = 2048  # elements per work item of the combine receive, bf16 rows
     combine_recv_warps: int = 4
     combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
