@@ -56,7 +56,10 @@ class KernelTuning:
     combine_recv_warps: int = 4
     combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
     combine_recv_warps_fp8: int = 2
-    programs_per_sm: int = 32  # dispatch receive and combine send: one row or tile copied per item
+    # Every program of the dispatch receive waits for the senders before it knows its rows, so its
+    # grid (sized for the most rows a rank can receive) costs small batches in large buffers.
+    dispatch_recv_programs_per_sm: int = 16
+    combine_send_programs_per_sm: int = 32  # idle programs exit at once; one row or tile per item
     combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
 
     def __post_init__(self) -> None:
@@ -163,30 +166,17 @@ class TritonProvider:
 
     # -- bookkeeping --------------------------------------------------------------------------
 
-    @property
-    def programs(self) -> int:
-        """Programs of the dispatch receive and the combine send (from the tuning unless fixed at
-        construction)."""
-        return self._program_count(self.tuning.programs_per_sm)
-
-    @property
-    def combine_recv_programs(self) -> int:
-        return self._program_count(self.tuning.combine_recv_programs_per_sm)
-
-    @property
-    def send_programs(self) -> int:
-        return self._program_count(self.tuning.send_programs_per_sm)
-
     def _program_count(self, per_sm: int) -> int:
+        """Programs of a kernel: ``per_sm`` per multiprocessor, unless fixed at construction."""
         if self._programs:
             return self._programs
         return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
 
-    def _grid(self, programs: int, items: int) -> tuple[int]:
-        """No more programs than work items where the host knows them (idle programs only cost time;
-        the combine send's grid covers the most rows a rank can receive). At least one, which signals or
-        advances the round when there is nothing to move."""
-        return (max(1, min(programs, items)),)
+    def _grid(self, per_sm: int, items: int) -> tuple[int]:
+        """``per_sm`` programs per multiprocessor, but no more than work items where the host knows them
+        (idle programs only cost time; the combine send's grid covers the most rows a rank can receive).
+        At least one, which signals (a send) or waits (a receive) when there is nothing to move."""
+        return (max(1, min(self._program_count(per_sm), items)),)
 
     def _ticket(self, kernel: str) -> torch.Tensor:
         index = TICKETS.index(kernel)
@@ -265,7 +255,7 @@ class TritonProvider:
         else:
             tiles = triton.cdiv(x.shape[1], self.tuning.copy_block)
         scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
-        transport.dispatch_send_kernel[self._grid(self.send_programs, self._num_tokens * tiles)](
+        transport.dispatch_send_kernel[self._grid(self.tuning.send_programs_per_sm, self._num_tokens * tiles)](
             self.arena.peer_bases,
             x,
             scale_words,
@@ -317,7 +307,7 @@ class TritonProvider:
         if self._slot_of_pair is None:
             raise RuntimeError("dispatch_recv called without a dispatch_send before it")
         cfg = self.config
-        transport.dispatch_recv_kernel[self._grid(self.programs, self.arena_layout.slots)](
+        transport.dispatch_recv_kernel[self._grid(self.tuning.dispatch_recv_programs_per_sm, self.arena_layout.slots)](
             self.arena.base,
             self.tokens_out,
             self.scales_out,
@@ -383,7 +373,9 @@ class TritonProvider:
         tile_blocks = meta["TILE_BLOCKS"]
         item_blocks = triton.cdiv(num_blocks, tile_blocks) * tile_blocks if whole_row else tile_blocks
         items = triton.cdiv(num_blocks, item_blocks)
-        transport.combine_send_kernel[self._grid(self.programs, self.arena_layout.slots * items)](
+        transport.combine_send_kernel[
+            self._grid(self.tuning.combine_send_programs_per_sm, self.arena_layout.slots * items)
+        ](
             self.arena.peer_bases,
             y.contiguous(),
             handle.recv_counts,
@@ -418,7 +410,7 @@ class TritonProvider:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         meta = self._combine_meta(tile)
         tiles = triton.cdiv(cfg.hidden // cfg.combine_block, meta["TILE_BLOCKS"])
-        transport.combine_recv_kernel[self._grid(self.combine_recv_programs, handle.num_tokens * tiles)](
+        transport.combine_recv_kernel[self._grid(self.tuning.combine_recv_programs_per_sm, handle.num_tokens * tiles)](
             self.arena.base,
             handle.slot_of_pair,
             out,
