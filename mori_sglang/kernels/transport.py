@@ -432,7 +432,7 @@ def dispatch_recv_kernel(
     s_mask = s_offs < STRIDE_WORDS
     for j in range(pid, total, tl.num_programs(0)):
         src, pos = _source_of_row(counts, j, WP)
-        row = rows + (src * max_tokens + pos) * ROW_WORDS
+        row = tl.multiple_of(rows + (src * max_tokens + pos) * ROW_WORDS, ROW_ALIGN)
         # Every load of the row before any store: one memory round trip per row, not one per section.
         if TOKEN_WORDS <= BLOCK:
             t_offs = tl.arange(0, BLOCK)
