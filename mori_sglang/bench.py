@@ -62,7 +62,7 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int =
         nbytes = (1 << 30) if device.type == "cuda" else (1 << 26)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = _time_phases([lambda: dst.copy_(src)], device, iters)[0]
+    times = time_phases([lambda: dst.copy_(src)], device, iters)[0]
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
@@ -71,7 +71,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_phases(phases: list[Callable[[], object]], device: torch.device, iters: int) -> list[list[float]]:
+def time_phases(phases: list[Callable[[], object]], device: torch.device, iters: int) -> list[list[float]]:
     """Seconds of each phase per iteration (phases run in order every iteration)."""
     out: list[list[float]] = [[] for _ in phases]
     for _ in range(iters):
@@ -147,7 +147,7 @@ def bench_one(
         phases = [_capture(p, device) for p in phases]
     for phase in phases:  # warm-up
         phase()
-    times = [statistics.median(t) * 1e6 for t in _time_phases(phases, device, iters)]
+    times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
     recv_rows = sum(int(o.num_recv.item()) for o in outs)
     pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in ids)
     assert recv_rows == pairs, (recv_rows, pairs)

@@ -1,0 +1,22 @@
+"""Kernels with the memory traffic of a transport phase and none of its arithmetic: they measure what a
+phase's access pattern allows on a device, the ceiling its "% of the copy roofline" is read against."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fan_out_kernel(x_ptr, out_ptr, out_stride, num_tokens, D: tl.constexpr, HIDDEN: tl.constexpr, TILE: tl.constexpr):
+    """The dispatch send's traffic: read each 16-bit element once and write one byte of it (its high
+    byte, as an fp8 cast writes one byte per bf16 element) into D destination rows. A work item is one
+    tile of one token, as in the send."""
+    TILES: tl.constexpr = HIDDEN // TILE
+    dests = tl.arange(0, D)
+    for item in range(tl.program_id(0), num_tokens * TILES, tl.num_programs(0)):
+        n = item // TILES
+        cols = (item % TILES) * TILE + tl.arange(0, TILE)
+        high = (tl.load(x_ptr + n * HIDDEN + cols) >> 8).to(tl.uint8)
+        rows = out_ptr + dests[:, None] * out_stride + n * HIDDEN + cols[None, :]
+        tl.store(rows, tl.broadcast_to(high[None, :], (D, TILE)))
