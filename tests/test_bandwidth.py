@@ -36,7 +36,8 @@ def test_a_hidden_size_the_tile_does_not_divide_is_refused() -> None:
 
 def test_cli_prints_each_pattern_against_the_copy_roofline(capsys: pytest.CaptureFixture[str]) -> None:
     patterns = bandwidth.main(["--tokens", "4", "--hidden", "256", "--fan-out", "1", "2", "--iters", "2"])
-    assert [p.name.split(" (")[0] for p in patterns] == ["copy", "fill", "fan-out to 1", "fan-out to 2"]
+    kinds = [p.name.split(" (")[0] for p in patterns]
+    assert list(dict.fromkeys(kinds)) == ["copy", "fill", "fan-out to 1", "fan-out to 2"]  # a GPU times more shapes
     assert all(p.gbs > 0 for p in patterns)
     text = capsys.readouterr().out
     assert text.count("\n| ") == len(patterns) + 1  # header rule and one row per pattern
