@@ -214,26 +214,47 @@ def test_a_rank_that_receives_nothing_and_programs_without_work_still_signal() -
         for op in worlds["triton"].ops:
             op.synchronize()  # raises if a receive gave up
             assert not op.provider._tickets.any()
-            assert op.provider.rounds[:, 0].tolist() == [seed + 1, seed + 1]  # one round each per step
-            assert not op.provider.rounds[:, 2].any()
+            rounds = op.provider.rounds
+            assert rounds[:, 0].tolist() == [seed + 1, seed + 1]  # one round of each kind per step
+            assert rounds[:, 1].tolist() == [seed + 1, seed + 1]  # every receive saw its senders arrive
+            assert not rounds[:, 2].any()
 
 
-def test_stalled_peer_raises_timeout_naming_it() -> None:
-    cfg = _config(2, provider="triton")
+def test_stalled_peer_raises_timeout_naming_it_and_the_world_recovers() -> None:
+    """Two good rounds, then rank 1 skips a dispatch: rank 0's receive of that round gives up (the gate
+    still holds the round before). Once rank 1 catches up, the next round is received intact."""
+    cfg = _config(2, mode=Mode.LOW_LATENCY, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)
+    ref_world = LoopbackWorld(replace(cfg, provider=Provider.TORCH), DEVICE)
     for op in world.ops:
         op.provider.max_spins = 50
+    for seed in (1, 2):
+        _step(world, *_inputs(cfg, [3, 3], seed))
     xs, weights, ids = _inputs(cfg, [3, 3], seed=7)
-    world.ops[0].dispatch_send(xs[0], weights[0], None, ids[0])  # rank 1 never sends
+    world.ops[0].dispatch_send(xs[0], weights[0], None, ids[0])  # rank 1 does not send this round
     with pytest.raises(PeerTimeoutError, match="rank 1"):
         world.ops[0].dispatch_recv()
         world.ops[0].synchronize()
-    # The give-up belongs to that round: the next send clears it, so the next receive waits again
-    # instead of giving up at once.
     rounds = world.ops[0].provider.rounds
-    assert rounds[0].tolist() == [1, 0, 1]  # round 1, its senders never all arrived, a receive gave up
+    assert rounds[0].tolist() == [3, 2, 1]  # round 3; its senders never all arrived; a receive gave up
+    with pytest.raises(RuntimeError, match="dispatch_recv called without a dispatch_send"):
+        world.ops[0].dispatch_recv()  # that round was received (and given up on): no second receive
+    world.ops[1].dispatch_send(xs[1], weights[1], None, ids[1])  # rank 1 catches up on round 3
+    world.ops[1].dispatch_recv()
+    # The next send clears the give-up, so round 4's receive waits for its senders again.
+    xs, weights, ids = _inputs(cfg, [3, 2], seed=8)
     world.ops[0].dispatch_send(xs[0], weights[0], None, ids[0])
-    assert rounds[0].tolist() == [2, 0, 0]
+    assert rounds[0].tolist() == [4, 2, 0]
+    world.ops[1].dispatch_send(xs[1], weights[1], None, ids[1])
+    got = [op.dispatch_recv() for op in world.ops]
+    ref = ref_world.dispatch(xs, weights, None, ids)
+    for op in world.ops:
+        op.synchronize()
+    assert rounds[0].tolist() == [4, 4, 0]
+    for r in range(2):
+        n = ref[r].num_recv_host()
+        assert got[r].num_recv_host() == n
+        assert torch.equal(got[r].tokens[:n].view(torch.uint8).cpu(), ref[r].tokens[:n].view(torch.uint8).cpu())
 
 
 def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:
@@ -290,4 +311,6 @@ def test_cuda_graph_replay_matches_eager() -> None:
             assert int(outs[r].num_recv.item()) == n
             assert torch.equal(outs[r].tokens[:n].view(torch.uint8), ref[0][r].tokens[:n].view(torch.uint8))
             assert torch.equal(results[r].view(torch.int16), ref[3][r].view(torch.int16)), (replay, r)
+        for op in world.ops:  # the warm-up step and every replay advanced each round once (capture runs nothing)
+            assert op.provider.rounds[:, :2].tolist() == [[replay + 2] * 2] * 2
     world.ops[0].synchronize()

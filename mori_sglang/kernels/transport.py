@@ -74,7 +74,8 @@ def _late_senders(arrivals, senders, target):
 def _advance_round(round_ptr):
     """Called by the last program of a send: this kind's receive waits for the next round, and has not
     given up on it. Nothing else touches the words while a send runs (the receive before it has
-    finished, the one after it has not started), and the end of the kernel publishes them."""
+    finished, the one after it has not started), and the end of the kernel publishes them; an atomic
+    add needs no read of the round first."""
     tl.atomic_add(round_ptr, 1, sem="relaxed", scope="gpu")
     tl.store(round_ptr + 2, 0)
 
@@ -97,15 +98,18 @@ def _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W
         late = _late_senders(arrivals, senders, target)
         spins = 0
         gave_up_ptr = round_ptr + 2
-        gave_up = tl.load(gave_up_ptr, volatile=True)
+        # A scalar atomic reaches every warp of the program with one value (a load would be read by each
+        # warp on its own, and warps that leave the loop apart would meet different barriers).
+        gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
         while (tl.max(late.to(tl.int32), 0) > 0) & (spins < max_spins) & (gave_up == 0):
             late = _late_senders(arrivals, senders, target)
-            gave_up = tl.load(gave_up_ptr, volatile=True)
+            gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
             spins += 1
         if tl.max(late.to(tl.int32), 0) > 0:
             tl.atomic_max(status_ptr, tl.min(tl.where(late, w_offs, WP), 0) + 1)
             tl.atomic_xchg(gave_up_ptr, 1)
         else:
+            tl.debug_barrier()  # every lane's acquire of the arrivals precedes the gate's release
             tl.atomic_max(gate, target, sem="release", scope="gpu")
     tl.debug_barrier()  # every thread of the program reads the rows after the acquire
 

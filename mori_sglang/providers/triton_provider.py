@@ -158,6 +158,7 @@ class TritonProvider:
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         self._slot_of_pair: torch.Tensor | None = None
+        self._dispatch_pending = False  # a dispatch_send whose receive has not run yet
         # Each copy's destination row address, made by the routing for the send right after it.
         self._row_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
         self._num_tokens = 0
@@ -216,6 +217,7 @@ class TritonProvider:
         self._num_tokens = payload.shape[0]
         ids = ids.int().contiguous()
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
+        self._dispatch_pending = True
         row_of_pair = self._row_of_pair[: self._num_tokens]
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
         route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), MIN_TILE))
@@ -299,13 +301,21 @@ class TritonProvider:
             "W": self.config.world_size,
         }
 
+    def _refuse_receive(self, kind: str) -> None:
+        """A receive needs a send of its own: it waits for the round that send opened, and a second
+        receive of one round would find its senders' counters already past. A receive that gave up on
+        that round is reported first, as the timeout it is."""
+        self.check_status()
+        raise RuntimeError(f"{kind}_recv called without a {kind}_send before it (each send is received once)")
+
     def _wait_args(self, round_index: int) -> tuple:
         """The receive kernels' round, status and spin bound arguments."""
         return (self.rounds[round_index], self._status.flags, self.max_spins)
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
-        if self._slot_of_pair is None:
-            raise RuntimeError("dispatch_recv called without a dispatch_send before it")
+        if not self._dispatch_pending:
+            self._refuse_receive("dispatch")
+        self._dispatch_pending = False
         cfg = self.config
         transport.dispatch_recv_kernel[self._grid(self.tuning.dispatch_recv_programs_per_sm, self.arena_layout.slots)](
             self.arena.base,
@@ -399,7 +409,7 @@ class TritonProvider:
 
     def combine_recv(self) -> torch.Tensor:
         if self._combine_handle is None:
-            raise RuntimeError("combine_recv called without a combine_send before it")
+            self._refuse_receive("combine")
         handle, self._combine_handle = self._combine_handle, None
         cfg = self.config
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=self.device)
