@@ -308,6 +308,7 @@ def dispatch_send_kernel(
     BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
     TILES: tl.constexpr,
+    STAGES: tl.constexpr,
     QUANT: tl.constexpr,
     HIDDEN: tl.constexpr,
     GROUP: tl.constexpr,
@@ -323,12 +324,13 @@ def dispatch_send_kernel(
     payload words are copied as they are.
        A work item is one tile (TILE_GROUPS scale groups, or BLOCK words when copying) of one token, so
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
-    tile 0 also writes the pad, the weights and the ids."""
+    tile 0 also writes the pad, the weights and the ids. STAGES > 1 lets the compiler load the next
+    items while one is quantized (software pipelining: more bytes in flight, more registers)."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    for item in range(pid, num_tokens * TILES, tl.num_programs(0)):
+    for item in tl.range(pid, num_tokens * TILES, tl.num_programs(0), num_stages=STAGES):
         n = item // TILES
         tile = item % TILES
         rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
