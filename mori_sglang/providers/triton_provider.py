@@ -160,8 +160,7 @@ class TritonProvider:
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
-        self._slot_of_pair: torch.Tensor | None = None
-        self._dispatch_pending = False  # a dispatch_send whose receive has not run yet
+        self._slot_of_pair: torch.Tensor | None = None  # from a dispatch_send until its receive
         # Each copy's destination row address, made by the routing for the send right after it.
         self._row_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
         self._num_tokens = 0
@@ -220,7 +219,6 @@ class TritonProvider:
         self._num_tokens = payload.shape[0]
         ids = ids.int().contiguous()
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
-        self._dispatch_pending = True
         row_of_pair = self._row_of_pair[: self._num_tokens]
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
         route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), MIN_TILE))
@@ -317,9 +315,9 @@ class TritonProvider:
         return (self.rounds[round_index], self._status.flags, self.max_spins)
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
-        if not self._dispatch_pending:
+        if self._slot_of_pair is None:
             self._refuse_receive("dispatch")
-        self._dispatch_pending = False
+        slot_of_pair, self._slot_of_pair = self._slot_of_pair, None  # each send is received once
         cfg = self.config
         transport.dispatch_recv_kernel[self._grid(self.tuning.dispatch_recv_programs_per_sm, self.arena_layout.slots)](
             self.arena.base,
@@ -343,8 +341,8 @@ class TritonProvider:
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         handle = CombineHandle(
             num_tokens=self._num_tokens,
-            copy_of_pair=self._slot_of_pair,
-            slot_of_pair=self._slot_of_pair,
+            copy_of_pair=slot_of_pair,
+            slot_of_pair=slot_of_pair,
             recv_src=None,
             recv_pos=None,
             recv_counts=self.recv_counts,
