@@ -422,7 +422,7 @@ class TritonProvider:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         meta = self._combine_meta(tile)
         tiles = triton.cdiv(cfg.hidden // cfg.combine_block, meta["TILE_BLOCKS"])
-        transport.combine_recv_kernel[self._grid(self.tuning.combine_recv_programs_per_sm, handle.num_tokens * tiles)](
+        transport.combine_recv_kernel[self._grid(tuning.combine_recv_programs_per_sm, handle.num_tokens * tiles)](
             self.arena.base,
             handle.slot_of_pair,
             out,
