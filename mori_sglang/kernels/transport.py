@@ -53,14 +53,21 @@ def _take_ticket(tickets_ptr, done, total):
 
 
 @triton.jit
+def _peer_words(peer_bases, offset, rank, W: tl.constexpr, WP: tl.constexpr):
+    """This rank's int64 word of the sync array at byte ``offset`` in every rank's arena, and which of
+    the WP lanes are ranks."""
+    w_offs = tl.arange(0, WP)
+    bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
+    return (bases + offset).to(tl.pointer_type(tl.int64)) + rank, w_offs < W
+
+
+@triton.jit
 def _signal_arrival(peer_bases, arrivals_offset, rank, W: tl.constexpr, WP: tl.constexpr):
     """Add 1 to this rank's arrival counter on every destination (release, system scope), all
     destinations at once: called by the last program of a send, after every program's rows."""
     tl.debug_barrier()
-    w_offs = tl.arange(0, WP)
-    bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
-    arrivals = (bases + arrivals_offset).to(tl.pointer_type(tl.int64)) + rank
-    tl.atomic_add(arrivals, 1, mask=w_offs < W, sem="release", scope="sys")
+    arrivals, ranks = _peer_words(peer_bases, arrivals_offset, rank, W, WP)
+    tl.atomic_add(arrivals, 1, mask=ranks, sem="release", scope="sys")
 
 
 @triton.jit
@@ -389,10 +396,8 @@ def dispatch_send_kernel(
             _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
         _advance_round(round_ptr)
-        w_offs = tl.arange(0, WP)
-        bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
-        counts = (bases + counts_offset).to(tl.pointer_type(tl.int64)) + rank
-        tl.store(counts, tl.load(send_counts_ptr + w_offs, mask=w_offs < W), mask=w_offs < W)
+        counts, ranks = _peer_words(peer_bases, counts_offset, rank, W, WP)
+        tl.store(counts, tl.load(send_counts_ptr + tl.arange(0, WP), mask=ranks), mask=ranks)
         _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
 
 
