@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.testing
 
-from mori_sglang.bench import copy_bandwidth, time_phases
+from mori_sglang.bench import copy_bandwidth, roofline_bytes, time_phases
 from mori_sglang.kernels.probes import fan_out_kernel
 from mori_sglang.roundtrip import resolve_device
 
@@ -49,7 +49,7 @@ def fan_out(x: torch.Tensor, out: torch.Tensor, warps: int, programs: int) -> No
 def measure(device: torch.device, tokens: int, hidden: int, fan_outs: list[int], iters: int) -> list[Pattern]:
     copy_gbs = copy_bandwidth(device, iters=iters)
     patterns = [Pattern("copy (roofline)", 0.0, copy_gbs, 100.0)]
-    fill = torch.empty((1 << 30) if device.type == "cuda" else (1 << 26), dtype=torch.uint8, device=device)
+    fill = torch.empty(roofline_bytes(device), dtype=torch.uint8, device=device)
     seconds = _seconds(lambda: fill.fill_(1), device, iters)
     patterns.append(_pattern("fill (write only)", seconds, fill.numel(), copy_gbs))
     x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16).view(torch.int16)

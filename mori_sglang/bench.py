@@ -56,10 +56,14 @@ class Row:
     round_trip_pct: float
 
 
-def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
-    """Device-to-device copy GB/s, counting bytes read plus bytes written (1 GiB on a GPU, 64 MiB on CPU)."""
-    if nbytes is None:
-        nbytes = (1 << 30) if device.type == "cuda" else (1 << 26)
+def roofline_bytes(device: torch.device) -> int:
+    """Buffer size of a bandwidth measurement: 1 GiB on a GPU (far past its caches), 64 MiB on CPU."""
+    return (1 << 30) if device.type == "cuda" else (1 << 26)
+
+
+def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
+    """Device-to-device copy GB/s over ``roofline_bytes``, counting bytes read plus bytes written."""
+    nbytes = roofline_bytes(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = time_phases([lambda: dst.copy_(src)], device, iters)[0]
