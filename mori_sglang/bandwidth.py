@@ -20,12 +20,12 @@ import triton.testing
 
 from mori_sglang.bench import copy_bandwidth, roofline_bytes, time_phases
 from mori_sglang.kernels.probes import fan_out_kernel
+from mori_sglang.providers.triton_provider import INTERPRETER_PROGRAMS, multiprocessors
 from mori_sglang.roundtrip import resolve_device
 
 # (warps, programs per SM): the dispatch send's shape and two wider ones.
 FAN_OUT_SHAPES = ((1, 32), (2, 16), (4, 8))
 FAN_OUT_TILE = 1024
-INTERPRETER_PROGRAMS = 2
 
 
 @dataclass
@@ -53,7 +53,7 @@ def measure(device: torch.device, tokens: int, hidden: int, fan_outs: list[int],
     seconds = _seconds(lambda: fill.fill_(1), device, iters)
     patterns.append(_pattern("fill (write only)", seconds, fill.numel(), copy_gbs))
     x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16).view(torch.int16)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    sms = multiprocessors(device)
     for d in fan_outs:
         out = torch.empty(d, tokens, hidden, dtype=torch.uint8, device=device)
         for warps, per_sm in FAN_OUT_SHAPES if sms else FAN_OUT_SHAPES[:1]:

@@ -130,7 +130,7 @@ class TritonProvider:
         self.max_spins = max_spins
         self.tuning = tuning or KernelTuning()
         self._programs = programs
-        self._sms = _multiprocessors(device)
+        self._sms = multiprocessors(device)
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
@@ -446,7 +446,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _multiprocessors(device: torch.device) -> int | None:
+def multiprocessors(device: torch.device) -> int | None:
     """SMs (CUs) the programs spread over; None in the CPU interpreter."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
