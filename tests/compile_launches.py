@@ -1,6 +1,7 @@
 """Compile recorded kernel launches for their GPU targets (run by test_kernels_compile.py, outside
 Triton's interpreter). Prints one JSON line: how many compiled, and per sm_90 launch the byte-wide
-global loads and stores its PTX holds."""
+global loads and stores its PTX holds, and whether it waits for the kernel before it (programmatic
+dependent launch)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def compile_launch(spec: dict, target: GPUTarget):
 def main(path: str) -> None:
     with open(path) as f:
         specs = json.load(f)
-    compiled, byte_wide = 0, {}
+    compiled, byte_wide, chained = 0, {}, {}
     for target_name, launches in specs.items():
         for i, spec in enumerate(launches):
             kernel = compile_launch(spec, TARGETS[target_name])
@@ -39,7 +40,8 @@ def main(path: str) -> None:
             if target_name == "sm_90":
                 label = f"{spec['kernel']} #{i} {spec['constants']}"
                 byte_wide[label] = sorted(set(BYTE_WIDE.findall(kernel.asm["ptx"])))
-    print(json.dumps({"compiled": compiled, "byte_wide": byte_wide}))
+                chained[label] = "griddepcontrol.wait" in kernel.asm["ptx"]
+    print(json.dumps({"compiled": compiled, "byte_wide": byte_wide, "chained": chained}))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,19 @@ any bookkeeping atomics, and a CUDA graph can replay everything. Per round kind 
 three local words live on the device: the round, the gate, and whether a receive gave up on the
 round. A receive gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the
 host to raise.
+
+The routing kernels and the dispatch send form one chain per call. On NVIDIA GPUs from Hopper on,
+each kernel of the chain lets the next one launch as soon as it starts (programmatic dependent
+launch), and the next one waits for it to finish before it reads what it wrote: the launch and the
+programs' start overlap the kernel before instead of following it. The first kernel of the chain is
+launched as usual, so everything earlier in the stream is done before any of it runs.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Every row in an arena starts on this many bytes (the host checks it): lets loads and stores through
 # peer pointers read from memory be vectorized.
@@ -50,6 +57,16 @@ def _take_ticket(tickets_ptr, done, total):
     if last:
         tl.store(tickets_ptr, 0)
     return last
+
+
+@triton.jit
+def _chain_start(PDL: tl.constexpr):
+    """Start of a kernel in the dispatch chain: under programmatic dependent launch, wait until the
+    kernel before it has finished and its writes are visible, then let the next one launch (only a
+    kernel launched as part of the chain starts early; any other waits for this one to finish)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -215,9 +232,11 @@ def route_count_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (d, b) counts the tokens of block b that go to rank d (the first pass of the routing
     when the batch spans several blocks)."""
+    _chain_start(PDL)
     d = tl.program_id(0)
     b = tl.program_id(1)
     _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
@@ -245,6 +264,7 @@ def route_kernel(
     KP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NBP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (d, b) numbers the tokens of block b that go to rank d, in token order, after the
     tokens of the earlier blocks (route_count_kernel's counts; one block needs no first pass).
@@ -257,6 +277,7 @@ def route_kernel(
        An id past the last expert is dropped too, and programs (0, b) record ``id + 1`` in ``status[1]``
     so that the host raises without a synchronisation on the hot path.
     """
+    _chain_start(PDL)
     d = tl.program_id(0)
     b = tl.program_id(1)
     nb = tl.num_programs(1)
@@ -323,6 +344,7 @@ def dispatch_send_kernel(
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
     EMAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Read each token once and write its packed row (token | zero-padded scale row | weights | ids)
     into the slot of every distinct destination rank, all destinations in one store per tile. QUANT
@@ -333,6 +355,7 @@ def dispatch_send_kernel(
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
     tile 0 also writes the pad, the weights and the ids. STAGES > 1 lets the compiler load the next
     items while one is quantized (software pipelining: more bytes in flight, more registers)."""
+    _chain_start(PDL)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)

@@ -131,6 +131,7 @@ class TritonProvider:
         self.tuning = tuning or KernelTuning()
         self._programs = programs
         self._sms = multiprocessors(device)
+        self._pdl = programmatic_launch(device)
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
@@ -181,6 +182,11 @@ class TritonProvider:
         At least one, which signals (a send) or waits (a receive) when there is nothing to move."""
         return (max(1, min(self._program_count(per_sm), items)),)
 
+    def _chained_launch(self, follows_chain: bool) -> dict[str, bool]:
+        """Launch options of a dispatch chain kernel: programmatic dependent launch when a kernel of
+        the chain runs right before it (transport's module docstring)."""
+        return {"launch_pdl": True} if self._pdl and follows_chain else {}
+
     def _ticket(self, kernel: str) -> torch.Tensor:
         index = TICKETS.index(kernel)
         return self._tickets[index : index + 1]
@@ -228,6 +234,7 @@ class TritonProvider:
             "KP": triton.next_power_of_2(cfg.topk),
             "BLOCK_N": route_block,
             "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
+            "PDL": self._pdl,
         }
         if blocks > 1:
             transport.route_count_kernel[(cfg.world_size, blocks)](
@@ -249,6 +256,7 @@ class TritonProvider:
             ROW_BYTES=layout.row_bytes,
             NBP=triton.next_power_of_2(blocks) if blocks > 1 else 1,
             **route_meta,
+            **self._chained_launch(blocks > 1),
         )
         x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
@@ -286,8 +294,10 @@ class TritonProvider:
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
             EMAX=formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
+            PDL=self._pdl,
             enable_fp_fusion=False,
             num_warps=self.tuning.send_warps,
+            **self._chained_launch(True),
         )
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
@@ -444,6 +454,14 @@ class TritonProvider:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels may launch before the one they follow ends (programmatic dependent launch):
+    NVIDIA GPUs from Hopper (sm_90) on, outside the interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None or _interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def multiprocessors(device: torch.device) -> int | None:
