@@ -21,7 +21,8 @@ The routing kernels and the dispatch send form one chain per call. On NVIDIA GPU
 each kernel of the chain lets the next one launch as soon as it starts (programmatic dependent
 launch), and the next one waits for it to finish before it reads what it wrote: the launch and the
 programs' start overlap the kernel before instead of following it. The first kernel of the chain is
-launched as usual, so everything earlier in the stream is done before any of it runs.
+launched as usual, so everything earlier in the stream is done before any of it runs: the send
+loads its first tokens before it waits, since only the routing may still be written.
 """
 
 from __future__ import annotations
@@ -309,6 +310,30 @@ def route_kernel(
 
 
 @triton.jit
+def _token_tile(
+    x_ptr,
+    item,
+    total,
+    TILES: tl.constexpr,
+    QUANT: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    TILE_ELEMS: tl.constexpr,
+    TOKEN_WORDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The input of a dispatch send work item as it is in memory (bf16 elements to quantize, or the
+    words to copy); an item past the last loads nothing."""
+    n = item // TILES
+    tile = item % TILES
+    if QUANT == 0:
+        word = tile * BLOCK + tl.arange(0, BLOCK)
+        return tl.load(x_ptr + n * TOKEN_WORDS + word, mask=(word < TOKEN_WORDS) & (item < total))
+    else:
+        elem = tile * TILE_ELEMS + tl.arange(0, TILE_ELEMS)
+        return tl.load(x_ptr + n * HIDDEN + elem, mask=(elem < HIDDEN) & (item < total), other=0.0)
+
+
+@triton.jit
 def dispatch_send_kernel(
     peer_bases,
     x_ptr,
@@ -336,7 +361,6 @@ def dispatch_send_kernel(
     BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
     TILES: tl.constexpr,
-    STAGES: tl.constexpr,
     QUANT: tl.constexpr,
     HIDDEN: tl.constexpr,
     GROUP: tl.constexpr,
@@ -353,14 +377,23 @@ def dispatch_send_kernel(
     payload words are copied as they are.
        A work item is one tile (TILE_GROUPS scale groups, or BLOCK words when copying) of one token, so
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
-    tile 0 also writes the pad, the weights and the ids. STAGES > 1 lets the compiler load the next
-    items while one is quantized (software pipelining: more bytes in flight, more registers)."""
-    _chain_start(PDL)
+    tile 0 also writes the pad, the weights and the ids.
+       A program loads its next item's input before it works on the current one, so that two items'
+    loads are in flight (the send is bound by the bytes it keeps in flight). Its first load needs no
+    routing and runs before the wait for the routing kernel."""
     pid = tl.program_id(0)
+    total = num_tokens * TILES
+    TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
+    x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
+    _chain_start(PDL)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    for item in tl.range(pid, num_tokens * TILES, tl.num_programs(0), num_stages=STAGES):
+    for item in range(pid, total, tl.num_programs(0)):
+        x_now = x_next
+        x_next = _token_tile(
+            x_ptr, item + tl.num_programs(0), total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK
+        )
         n = item // TILES
         tile = item % TILES
         rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
@@ -371,7 +404,7 @@ def dispatch_send_kernel(
             groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
             elem = tile * TILE + tl.arange(0, TILE)
             in_range = elem < HIDDEN
-            x = tl.load(x_ptr + n * HIDDEN + elem, mask=in_range, other=0.0).to(tl.float32)
+            x = x_now.to(tl.float32)
             x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
             if QUANT == 1:  # f32 scale amax / max; payload x * (max / amax)
                 amax = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10)
@@ -390,7 +423,7 @@ def dispatch_send_kernel(
             TILE: tl.constexpr = TILE_GROUPS * PAIRS  # packed bytes
             groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
             elem = tile * (TILE_GROUPS * GROUP) + tl.arange(0, TILE_GROUPS * GROUP)
-            x = tl.load(x_ptr + n * HIDDEN + elem, mask=elem < HIDDEN, other=0.0).to(tl.float32)
+            x = x_now.to(tl.float32)
             even, odd = tl.split(tl.reshape(x, (TILE_GROUPS, PAIRS, 2)))
             amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
             exponent, scale = _e8m0(amax, EMAX)
@@ -403,7 +436,7 @@ def dispatch_send_kernel(
             _store_all(rows, SCALE_AT * 4, groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         else:
             word = tile * BLOCK + offs
-            value = tl.load(x_ptr + n * TOKEN_WORDS + word, mask=word < TOKEN_WORDS)
+            value = x_now
             _store_all(rows, 0, word, value, word < TOKEN_WORDS, present, BLOCK, KP)
         if tile == 0:
             # The scale region (copied, or its zero pad after the quantized scales) in one step.

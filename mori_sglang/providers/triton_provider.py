@@ -47,7 +47,6 @@ class KernelTuning:
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
-    send_stages: int = 1  # work items of the send in flight per program (software pipelining)
     send_programs_per_sm: int = 48
     copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
@@ -64,8 +63,6 @@ class KernelTuning:
     combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
 
     def __post_init__(self) -> None:
-        if self.send_stages < 1:
-            raise ValueError(f"KernelTuning.send_stages={self.send_stages}: at least one stage")
         for name in TILE_FIELDS:
             value = getattr(self, name)
             if value < MIN_TILE or value & (value - 1):
@@ -286,7 +283,6 @@ class TritonProvider:
             BLOCK=self.tuning.copy_block,
             PAD_BLOCK=triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
             TILES=tiles,
-            STAGES=self.tuning.send_stages,
             QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
             HIDDEN=cfg.hidden,
             GROUP=group,
