@@ -1,6 +1,6 @@
 """Compile recorded kernel launches for their GPU targets (run by test_kernels_compile.py, outside
 Triton's interpreter). Prints one JSON line: how many compiled, and per sm_90 launch the byte-wide
-global loads and stores its PTX holds, and whether it waits for the kernel before it (programmatic
+global loads and stores its PTX holds, and its grid dependency control instructions (programmatic
 dependent launch)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from mori_sglang.kernels import transport
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 BYTE_WIDE = re.compile(r"\b(?:ld|st)\.global(?:\.\w+)*\.[bsu]8\b")
+GRID_CONTROL = re.compile(r"\bgriddepcontrol\.(\w+)")
 
 
 def compile_launch(spec: dict, target: GPUTarget):
@@ -32,7 +33,7 @@ def compile_launch(spec: dict, target: GPUTarget):
 def main(path: str) -> None:
     with open(path) as f:
         specs = json.load(f)
-    compiled, byte_wide, chained = 0, {}, {}
+    compiled, byte_wide, grid_control = 0, {}, {}
     for target_name, launches in specs.items():
         for i, spec in enumerate(launches):
             kernel = compile_launch(spec, TARGETS[target_name])
@@ -40,8 +41,8 @@ def main(path: str) -> None:
             if target_name == "sm_90":
                 label = f"{spec['kernel']} #{i} {spec['constants']}"
                 byte_wide[label] = sorted(set(BYTE_WIDE.findall(kernel.asm["ptx"])))
-                chained[label] = "griddepcontrol.wait" in kernel.asm["ptx"]
-    print(json.dumps({"compiled": compiled, "byte_wide": byte_wide, "chained": chained}))
+                grid_control[label] = sorted(set(GRID_CONTROL.findall(kernel.asm["ptx"])))
+    print(json.dumps({"compiled": compiled, "byte_wide": byte_wide, "grid_control": grid_control}))
 
 
 if __name__ == "__main__":

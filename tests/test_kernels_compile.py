@@ -125,14 +125,10 @@ def _as_fnuz(spec: dict) -> dict:
     return {**spec, "constants": constants, "signature": signature}
 
 
-def _as_chained(spec: dict) -> dict:
-    """The same launch as a Hopper GPU makes it in the dispatch chain: programmatic dependent launch
-    for the kernels the interpreter launched without it (the routing kernel after its counting pass,
-    the dispatch send)."""
-    options = dict(spec["options"])
-    if spec["kernel"] != "route_count_kernel" and (spec["kernel"] != "route_kernel" or spec["constants"]["NBP"] > 1):
-        options["launch_pdl"] = True
-    return {**spec, "constants": {**spec["constants"], "PDL": True}, "options": options}
+def _as_hopper_launch(spec: dict) -> dict:
+    """The same launch as a Hopper GPU makes it: under programmatic dependent launch, which the
+    interpreter cannot run."""
+    return {**spec, "constants": {**spec["constants"], "PDL": True}, "options": {**spec["options"], "launch_pdl": True}}
 
 
 @pytest.mark.slow
@@ -145,9 +141,9 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     monkeypatch.undo()
     unique = [json.loads(u) for u in sorted({json.dumps(launch, sort_keys=True) for launch in launches})]
     assert {s["kernel"] for s in unique} == set(KERNELS)
-    assert all(not s["constants"].get("PDL") for s in unique)  # the interpreter cannot wait on a grid
-    chained = [_as_chained(s) for s in unique if "PDL" in s["constants"]]
-    specs = {"sm_90": unique + chained, "gfx942": [_as_fnuz(s) for s in unique]}
+    assert all(s["constants"]["PDL"] is False for s in unique)
+    hopper = [_as_hopper_launch(s) for s in unique]
+    specs = {"sm_90": unique + hopper, "gfx942": [_as_fnuz(s) for s in unique]}
     spec_file = tmp_path / "launches.json"
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
@@ -164,6 +160,9 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     assert report["compiled"] == sum(len(v) for v in specs.values())
     narrow = [f"{k}: {v}" for k, v in report["byte_wide"].items() if k.split(" ")[0] in ROW_COPIES and v]
     assert not narrow, "byte-wide global accesses in sm_90 row copies:\n" + "\n".join(narrow)
-    waits = {label.split(" ")[0] for label, wait in report["chained"].items() if wait}
-    assert sum(report["chained"].values()) == len(chained), report["chained"]
-    assert waits == {"route_count_kernel", "route_kernel", "dispatch_send_kernel"}
+    # Every kernel waits for the one before it; only the routing lets the next one launch early.
+    controls = list(report["grid_control"].values())
+    assert controls[: len(unique)] == [[]] * len(unique)
+    for spec, control in zip(hopper, controls[len(unique) :], strict=True):
+        routing = spec["kernel"] in ("route_count_kernel", "route_kernel")
+        assert control == (["launch_dependents", "wait"] if routing else ["wait"]), (spec["kernel"], control)

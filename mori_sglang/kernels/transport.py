@@ -17,12 +17,12 @@ three local words live on the device: the round, the gate, and whether a receive
 round. A receive gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the
 host to raise.
 
-The routing kernels and the dispatch send form one chain per call. On NVIDIA GPUs from Hopper on,
-each kernel of the chain lets the next one launch as soon as it starts (programmatic dependent
-launch), and the next one waits for it to finish before it reads what it wrote: the launch and the
-programs' start overlap the kernel before instead of following it. The first kernel of the chain is
-launched as usual, so everything earlier in the stream is done before any of it runs: the send
-loads its first tokens before it waits, since only the routing may still be written.
+On NVIDIA GPUs from Hopper on, every kernel is launched under programmatic dependent launch: it may
+start while the kernel before it in the stream is still ending, and each of its programs waits for
+that kernel (its end and its writes) before touching memory, so a kernel's end still implies the end
+of everything before it. The launch and the programs' start overlap the kernel before instead of
+following it. The routing kernels also let the kernel after them launch as soon as their own wait is
+over: the dispatch send starts while the routing runs, and waits for it before reading its output.
 """
 
 from __future__ import annotations
@@ -61,10 +61,17 @@ def _take_ticket(tickets_ptr, done, total):
 
 
 @triton.jit
-def _chain_start(PDL: tl.constexpr):
-    """Start of a kernel in the dispatch chain: under programmatic dependent launch, wait until the
-    kernel before it has finished and its writes are visible, then let the next one launch (only a
-    kernel launched as part of the chain starts early; any other waits for this one to finish)."""
+def _after_previous_kernel(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the kernel before this one in the stream has
+    finished and its writes are visible. Every program calls it before its first memory access."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _routing_start(PDL: tl.constexpr):
+    """Start of a routing kernel: after the kernel before it, and let the kernel after it launch now
+    (in this order, so that a kernel launched early still starts after everything before the routing)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -237,7 +244,7 @@ def route_count_kernel(
 ):
     """Program (d, b) counts the tokens of block b that go to rank d (the first pass of the routing
     when the batch spans several blocks)."""
-    _chain_start(PDL)
+    _routing_start(PDL)
     d = tl.program_id(0)
     b = tl.program_id(1)
     _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
@@ -278,7 +285,7 @@ def route_kernel(
        An id past the last expert is dropped too, and programs (0, b) record ``id + 1`` in ``status[1]``
     so that the host raises without a synchronisation on the hot path.
     """
-    _chain_start(PDL)
+    _routing_start(PDL)
     d = tl.program_id(0)
     b = tl.program_id(1)
     nb = tl.num_programs(1)
@@ -379,13 +386,12 @@ def dispatch_send_kernel(
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
     tile 0 also writes the pad, the weights and the ids.
        A program loads its next item's input before it works on the current one, so that two items'
-    loads are in flight (the send is bound by the bytes it keeps in flight). Its first load needs no
-    routing and runs before the wait for the routing kernel."""
+    loads are in flight (the send is bound by the bytes it keeps in flight)."""
+    _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     total = num_tokens * TILES
     TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
     x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
-    _chain_start(PDL)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
@@ -484,8 +490,10 @@ def dispatch_recv_kernel(
     WP: tl.constexpr,
     BLOCK: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
+    _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W, WP)
     w_offs = tl.arange(0, WP)
@@ -600,9 +608,11 @@ def combine_send_kernel(
     FP8: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Quantize each received row's expert output straight into its source rank's combine slot; a work
     item is ITEM_BLOCKS blocks of one row (ITEMS per row). The last program to finish signals."""
+    _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     w_offs = tl.arange(0, WP)
     counts = tl.load(recv_counts_ptr + w_offs, mask=w_offs < W, other=0)
@@ -656,9 +666,11 @@ def combine_recv_kernel(
     K: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Wait for every sender, then per token: dequantize its returned rows and add them in f32 in top-k
     order, cast once to bf16. A work item is one tile of TILE_BLOCKS blocks of one token."""
+    _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W, WP)
     NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK

@@ -129,6 +129,8 @@ class TritonProvider:
         self._programs = programs
         self._sms = multiprocessors(device)
         self._pdl = programmatic_launch(device)
+        # Options of every launch: programmatic dependent launch where the device has it (transport docs).
+        self._launch_options = {"launch_pdl": True} if self._pdl else {}
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
@@ -179,11 +181,6 @@ class TritonProvider:
         At least one, which signals (a send) or waits (a receive) when there is nothing to move."""
         return (max(1, min(self._program_count(per_sm), items)),)
 
-    def _chained_launch(self, follows_chain: bool) -> dict[str, bool]:
-        """Launch options of a dispatch chain kernel: programmatic dependent launch when a kernel of
-        the chain runs right before it (transport's module docstring)."""
-        return {"launch_pdl": True} if self._pdl and follows_chain else {}
-
     def _ticket(self, kernel: str) -> torch.Tensor:
         index = TICKETS.index(kernel)
         return self._tickets[index : index + 1]
@@ -232,6 +229,7 @@ class TritonProvider:
             "BLOCK_N": route_block,
             "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
             "PDL": self._pdl,
+            **self._launch_options,
         }
         if blocks > 1:
             transport.route_count_kernel[(cfg.world_size, blocks)](
@@ -253,7 +251,6 @@ class TritonProvider:
             ROW_BYTES=layout.row_bytes,
             NBP=triton.next_power_of_2(blocks) if blocks > 1 else 1,
             **route_meta,
-            **self._chained_launch(blocks > 1),
         )
         x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
@@ -293,7 +290,7 @@ class TritonProvider:
             PDL=self._pdl,
             enable_fp_fusion=False,
             num_warps=self.tuning.send_warps,
-            **self._chained_launch(True),
+            **self._launch_options,
         )
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
@@ -343,6 +340,8 @@ class TritonProvider:
             BLOCK=self.tuning.copy_block,
             SCALE_BLOCK=triton.next_power_of_2(max(1, _words(layout.scale_stride))),
             num_warps=self.tuning.recv_warps,
+            PDL=self._pdl,
+            **self._launch_options,
         )
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         handle = CombineHandle(
@@ -412,6 +411,8 @@ class TritonProvider:
             WP=triton.next_power_of_2(cfg.world_size),
             enable_fp_fusion=False,
             num_warps=self.tuning.combine_send_warps,
+            PDL=self._pdl,
+            **self._launch_options,
         )
         self._combine_handle = handle
 
@@ -443,6 +444,8 @@ class TritonProvider:
             WP=triton.next_power_of_2(cfg.world_size),
             enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
             num_warps=warps,
+            PDL=self._pdl,
+            **self._launch_options,
         )
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         return out
