@@ -16,6 +16,7 @@ import torch
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.providers import triton_provider
 from mori_sglang.providers.triton_provider import PeerTimeoutError
 from mori_sglang.routing import source_of_rows
 from mori_sglang.types import InputError
@@ -267,6 +268,29 @@ def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:
         world.dispatch(xs, weights, None, ids)
         for op in world.ops:
             op.synchronize()
+
+
+@pytest.mark.parametrize(
+    ("cuda", "capability", "expected"),
+    [
+        ("13.0", (9, 0), True),
+        ("12.3", (10, 0), True),
+        ("12.2", (9, 0), False),
+        ("13.0", (8, 9), False),
+        (None, (9, 4), False),
+    ],
+)
+def test_programmatic_launch_only_where_graphs_keep_it(
+    monkeypatch: pytest.MonkeyPatch, cuda: str | None, capability: tuple[int, int], expected: bool
+) -> None:
+    """Hopper or later, CUDA 12.3 or later (ROCm builds have no CUDA version), never in the interpreter."""
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is expected
+    assert triton_provider.programmatic_launch(torch.device("cpu")) is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is False
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graph capture needs a CUDA GPU")

@@ -455,12 +455,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The first CUDA whose graphs keep programmatic launch edges (the ops are captured in CUDA graphs).
+PROGRAMMATIC_LAUNCH_CUDA = (12, 3)
+
+
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels may launch before the one they follow ends (programmatic dependent launch):
-    NVIDIA GPUs from Hopper (sm_90) on, outside the interpreter."""
-    if device.type != "cuda" or torch.version.hip is not None or _interpreting():
+    NVIDIA GPUs from Hopper (sm_90) on, with CUDA 12.3 or later, outside the interpreter."""
+    if device.type != "cuda" or torch.version.cuda is None or _interpreting():
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    cuda = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
+    return cuda >= PROGRAMMATIC_LAUNCH_CUDA and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def multiprocessors(device: torch.device) -> int | None:
