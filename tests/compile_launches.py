@@ -1,7 +1,6 @@
 """Compile recorded kernel launches for their GPU targets (run by test_kernels_compile.py, outside
 Triton's interpreter). Prints one JSON line: how many compiled, and per sm_90 launch the byte-wide
-global loads and stores its PTX holds, and its grid dependency control instructions (programmatic
-dependent launch)."""
+global loads and stores its PTX holds, and its grid dependency control (programmatic dependent launch)."""
 
 from __future__ import annotations
 
@@ -19,6 +18,17 @@ from mori_sglang.kernels import transport
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 BYTE_WIDE = re.compile(r"\b(?:ld|st)\.global(?:\.\w+)*\.[bsu]8\b")
 GRID_CONTROL = re.compile(r"\bgriddepcontrol\.(\w+)")
+GLOBAL_ACCESS = re.compile(r"\b(?:ld|st|atom|red)\.(?:\w+\.)*global\b")
+
+
+def grid_control(ptx: str) -> dict:
+    """The grid dependency control instructions of a kernel, and whether its wait for the kernel before
+    it comes ahead of its first global memory access (what makes programmatic dependent launch safe)."""
+    wait, access = ptx.find("griddepcontrol.wait"), GLOBAL_ACCESS.search(ptx)
+    return {
+        "instructions": sorted(set(GRID_CONTROL.findall(ptx))),
+        "waits_first": wait >= 0 and (access is None or wait < access.start()),
+    }
 
 
 def compile_launch(spec: dict, target: GPUTarget):
@@ -33,7 +43,7 @@ def compile_launch(spec: dict, target: GPUTarget):
 def main(path: str) -> None:
     with open(path) as f:
         specs = json.load(f)
-    compiled, byte_wide, grid_control = 0, {}, {}
+    compiled, byte_wide, controls = 0, {}, {}
     for target_name, launches in specs.items():
         for i, spec in enumerate(launches):
             kernel = compile_launch(spec, TARGETS[target_name])
@@ -41,8 +51,8 @@ def main(path: str) -> None:
             if target_name == "sm_90":
                 label = f"{spec['kernel']} #{i} {spec['constants']}"
                 byte_wide[label] = sorted(set(BYTE_WIDE.findall(kernel.asm["ptx"])))
-                grid_control[label] = sorted(set(GRID_CONTROL.findall(kernel.asm["ptx"])))
-    print(json.dumps({"compiled": compiled, "byte_wide": byte_wide, "grid_control": grid_control}))
+                controls[label] = grid_control(kernel.asm["ptx"])
+    print(json.dumps({"compiled": compiled, "byte_wide": byte_wide, "grid_control": controls}))
 
 
 if __name__ == "__main__":

@@ -175,7 +175,9 @@ def test_driver_against_scripted_server(
         assert params["temperature"] == 0 and params["stop"] == list(STOP)
         assert prompt.startswith(prefix) and prompt.endswith("\nAnswer:")
         assert prompt[len(prefix) :] == format_example(LINES[_index_of(question_of(prompt))], False)
-    assert 1 < server.peak_in_flight <= parallel
+    # A scripted hang keeps its handler busy after the client gave up on it and sent the retry.
+    abandoned = sum(kinds.count("hang") for kinds in failures.values())
+    assert 1 < server.peak_in_flight <= parallel + abandoned
 
 
 def _index_of(question: str | None) -> int:

@@ -7,6 +7,11 @@ A subprocess without Triton's interpreter then compiles each distinct launch for
 ships both back ends and their assemblers), as the GPU would on its first call. Byte-wide global loads
 and stores in the copy kernels' sm_90 code mean the compiler lost the rows' alignment: that made every
 copy several times slower once, so it fails here.
+
+The launches are recorded without programmatic dependent launch (the interpreter cannot run it) and
+compiled for sm_90 a second time with it, as a Hopper GPU launches them: each kernel must wait for the
+kernel before it ahead of its first global memory access, and only the routing kernels may let the
+kernel after them launch early.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.kernels import transport
 from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.providers import triton_provider
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = [
@@ -134,6 +140,7 @@ def _as_hopper_launch(spec: dict) -> dict:
 @pytest.mark.slow
 def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     launches = _record_launches(monkeypatch)
+    monkeypatch.setattr(triton_provider, "programmatic_launch", lambda device: False)  # recorded as without it
     for i, (dispatch, combine) in enumerate(PAIRS):
         cfg = EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=65, dispatch_dtype=dispatch, combine_dtype=combine,
                        mode=Mode.INTRANODE, provider="triton", fp8_dtype=torch.float8_e4m3fn)  # fmt: skip
@@ -162,7 +169,8 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     assert not narrow, "byte-wide global accesses in sm_90 row copies:\n" + "\n".join(narrow)
     # Every kernel waits for the one before it; only the routing lets the next one launch early.
     controls = list(report["grid_control"].values())
-    assert controls[: len(unique)] == [[]] * len(unique)
+    assert [c["instructions"] for c in controls[: len(unique)]] == [[]] * len(unique)
     for spec, control in zip(hopper, controls[len(unique) :], strict=True):
         routing = spec["kernel"] in ("route_count_kernel", "route_kernel")
-        assert control == (["launch_dependents", "wait"] if routing else ["wait"]), (spec["kernel"], control)
+        assert control["instructions"] == (["launch_dependents", "wait"] if routing else ["wait"]), spec["kernel"]
+        assert control["waits_first"], f"{spec['kernel']} touches global memory before its grid wait"

@@ -143,6 +143,28 @@ def test_bit_identical_to_torch_provider(
     _check_combine_wire(world, got[0], got[1], got[2], got[4])
 
 
+@pytest.mark.parametrize("dispatch", [DispatchDtype.BF16, DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4])
+@pytest.mark.parametrize(("hidden", "send_tile", "copy_block"), [(256, 64, 64), (384, 256, 128)])
+def test_tokens_of_several_tiles_are_bit_identical_too(
+    dispatch: DispatchDtype, hidden: int, send_tile: int, copy_block: int, rng: random.Random
+) -> None:
+    """Small send tiles split every token into several work items (the last one partial at hidden 384),
+    so that a program's next item, loaded ahead of the current one, is a later tile of the same token
+    or the first tile of another."""
+    seed = rng.randrange(1 << 30)
+    counts = [rng.randint(1, MAX_TOKENS) for _ in range(WORLD)]
+    runs = []
+    for provider in ("torch", "triton"):
+        cfg = EpConfig(WORLD, 0, hidden, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, dispatch_dtype=dispatch,
+                       mode=Mode.LOW_LATENCY, provider=provider)  # fmt: skip
+        world = LoopbackWorld(cfg, DEVICE)
+        if provider == "triton":
+            for op in world.ops:
+                op.provider.tuning = replace(op.provider.tuning, send_tile=send_tile, copy_block=copy_block)
+        runs.append(_step(world, *_inputs(cfg, counts, seed)))
+    _assert_same(runs[0], runs[1], world.ops[0].scale_bytes)
+
+
 @pytest.mark.parametrize("dispatch", [DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4])
 def test_fused_dispatch_quantization_matches_the_reference_on_edge_values(dispatch: DispatchDtype) -> None:
     """Ties of e2m1 and e4m3, negatives that round to zero, saturation, all-zero groups, tiny groups."""
@@ -271,20 +293,27 @@ def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cuda", "capability", "expected"),
+    ("cuda", "driver", "capability", "expected"),
     [
-        ("13.0", (9, 0), True),
-        ("12.3", (10, 0), True),
-        ("12.2", (9, 0), False),
-        ("13.0", (8, 9), False),
-        (None, (9, 4), False),
+        ("13.0", (13, 0), (9, 0), True),
+        ("12.3", (12, 4), (10, 0), True),
+        ("12.2", (13, 0), (9, 0), False),
+        ("12.4", (12, 2), (9, 0), False),
+        ("13.0", (13, 0), (8, 9), False),
+        (None, (13, 0), (9, 4), False),
     ],
 )
 def test_programmatic_launch_only_where_graphs_keep_it(
-    monkeypatch: pytest.MonkeyPatch, cuda: str | None, capability: tuple[int, int], expected: bool
+    monkeypatch: pytest.MonkeyPatch,
+    cuda: str | None,
+    driver: tuple[int, int],
+    capability: tuple[int, int],
+    expected: bool,
 ) -> None:
-    """Hopper or later, CUDA 12.3 or later (ROCm builds have no CUDA version), never in the interpreter."""
+    """Hopper or later, CUDA 12.3 or later in torch and in the driver (ROCm builds have no CUDA version),
+    never in the interpreter."""
     monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(triton_provider, "cuda_driver_version", lambda: driver)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is expected

@@ -45,11 +45,12 @@ COMBINE_FP8_BLOCKWISE_NATIVE = 3
 def _take_ticket(tickets_ptr, done, total):
     """Add this program's ``done`` work units to the kernel's counter; True in the program that brings
     it to ``total`` (program 0 when there is no work), which resets the counter for the next launch
-    (kernels of one stream never overlap). Programs without work leave the counter alone. The
-    acquire-release (GPU scope: every program runs on this GPU) orders every store of the programs,
-    peer rows included, before the last one's next operations; a release at system scope from that
-    program then carries them all to the peer (causality is transitive across scopes, the chain DeepEP's
-    low-latency dispatch uses between its sending warps and its signalling thread)."""
+    (the next kernel of the stream touches memory only after this one has ended). Programs without
+    work leave the counter alone. The acquire-release (GPU scope: every program runs on this GPU)
+    orders every store of the programs, peer rows included, before the last one's next operations; a
+    release at system scope from that program then carries them all to the peer (causality is
+    transitive across scopes, the chain DeepEP's low-latency dispatch uses between its sending warps
+    and its signalling thread)."""
     tl.debug_barrier()  # all threads' stores of this program precede its ticket
     last = (total == 0) & (tl.program_id(0) == 0)
     if done > 0:
@@ -70,8 +71,9 @@ def _after_previous_kernel(PDL: tl.constexpr):
 
 @triton.jit
 def _routing_start(PDL: tl.constexpr):
-    """Start of a routing kernel: after the kernel before it, and let the kernel after it launch now
-    (in this order, so that a kernel launched early still starts after everything before the routing)."""
+    """Start of a routing kernel: after the kernel before it, let the kernel after it launch now. That
+    kernel waits for the routing's end before touching memory; releasing it only after the routing's
+    own wait keeps at most two grids of the stream in flight."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -106,8 +108,8 @@ def _late_senders(arrivals, senders, target):
 def _advance_round(round_ptr):
     """Called by the last program of a send: this kind's receive waits for the next round, and has not
     given up on it. Nothing else touches the words while a send runs (the receive before it has
-    finished, the one after it has not started), and the end of the kernel publishes them; an atomic
-    add needs no read of the round first."""
+    finished, the one after it touches memory only after this kernel has ended), and the end of the
+    kernel publishes them; an atomic add needs no read of the round first."""
     tl.atomic_add(round_ptr, 1, sem="relaxed", scope="gpu")
     tl.store(round_ptr + 2, 0)
 
@@ -385,30 +387,34 @@ def dispatch_send_kernel(
        A work item is one tile (TILE_GROUPS scale groups, or BLOCK words when copying) of one token, so
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
     tile 0 also writes the pad, the weights and the ids.
-       A program loads its next item's input before it works on the current one, so that two items'
-    loads are in flight (the send is bound by the bytes it keeps in flight)."""
+       A quantizing program loads its next item's input before it works on the current one, so that
+    two items' loads are in flight (the send is bound by the bytes it keeps in flight). A copied tile
+    already holds BLOCK words per program: a second one would cost more registers than it hides."""
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     total = num_tokens * TILES
     TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
-    x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
+    PREFETCH: tl.constexpr = QUANT != 0
+    if PREFETCH:
+        x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
     for item in range(pid, total, tl.num_programs(0)):
-        x_now = x_next
-        x_next = _token_tile(
-            x_ptr, item + tl.num_programs(0), total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK
-        )
+        if PREFETCH:
+            x_now = x_next
+            following = item + tl.num_programs(0)
+            x_next = _token_tile(x_ptr, following, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
+        else:
+            x_now = _token_tile(x_ptr, item, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
         n = item // TILES
         tile = item % TILES
         rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
         present = rows != 0
         if (QUANT == 1) or (QUANT == 2):
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
-            TILE: tl.constexpr = TILE_GROUPS * GROUP
             groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
-            elem = tile * TILE + tl.arange(0, TILE)
+            elem = tile * TILE_ELEMS + tl.arange(0, TILE_ELEMS)
             in_range = elem < HIDDEN
             x = x_now.to(tl.float32)
             x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
@@ -421,14 +427,13 @@ def dispatch_send_kernel(
                 scale_row = (exponent + 127).to(tl.uint8)
                 scaled = tl.div_rn(x2, tl.broadcast_to(scale[:, None], x2.shape))
             q2 = tl.clamp(scaled, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
-            _store_all(rows, 0, elem, tl.reshape(q2, (TILE,)), in_range, present, TILE, KP)
+            _store_all(rows, 0, elem, tl.reshape(q2, (TILE_ELEMS,)), in_range, present, TILE_ELEMS, KP)
             _store_all(rows, SCALE_AT * 4, groups, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         elif QUANT == 3:
             NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
             PAIRS: tl.constexpr = GROUP // 2
             TILE: tl.constexpr = TILE_GROUPS * PAIRS  # packed bytes
             groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
-            elem = tile * (TILE_GROUPS * GROUP) + tl.arange(0, TILE_GROUPS * GROUP)
             x = x_now.to(tl.float32)
             even, odd = tl.split(tl.reshape(x, (TILE_GROUPS, PAIRS, 2)))
             amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))

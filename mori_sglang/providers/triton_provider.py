@@ -8,6 +8,7 @@ or synchronises with the host on the hot path, so the calls can be captured in a
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -128,9 +129,8 @@ class TritonProvider:
         self.tuning = tuning or KernelTuning()
         self._programs = programs
         self._sms = multiprocessors(device)
-        self._pdl = programmatic_launch(device)
-        # Options of every launch: programmatic dependent launch where the device has it (transport docs).
-        self._launch_options = {"launch_pdl": True} if self._pdl else {}
+        # Every launch takes these: the kernels' PDL switch and the launch option go together (transport docs).
+        self._pdl_launch = {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
@@ -217,7 +217,11 @@ class TritonProvider:
         self._ensure_peers()
         cfg = self.config
         self._num_tokens = payload.shape[0]
+        # Any conversion kernel runs before the routing, so that the send follows the routing directly.
         ids = ids.int().contiguous()
+        x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
+        scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
+        weight_words = weights.float().contiguous().view(torch.int32)
         self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
         row_of_pair = self._row_of_pair[: self._num_tokens]
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
@@ -228,8 +232,7 @@ class TritonProvider:
             "KP": triton.next_power_of_2(cfg.topk),
             "BLOCK_N": route_block,
             "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
-            "PDL": self._pdl,
-            **self._launch_options,
+            **self._pdl_launch,
         }
         if blocks > 1:
             transport.route_count_kernel[(cfg.world_size, blocks)](
@@ -252,19 +255,17 @@ class TritonProvider:
             NBP=triton.next_power_of_2(blocks) if blocks > 1 else 1,
             **route_meta,
         )
-        x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         tile_groups = max(1, self.tuning.send_tile // group)
         if quantize:
             tiles = triton.cdiv(cfg.hidden // group, tile_groups)
         else:
             tiles = triton.cdiv(x.shape[1], self.tuning.copy_block)
-        scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
         transport.dispatch_send_kernel[self._grid(self.tuning.send_programs_per_sm, self._num_tokens * tiles)](
             self.arena.peer_bases,
             x,
             scale_words,
-            weights.float().contiguous().view(torch.int32),
+            weight_words,
             ids,
             row_of_pair,
             self.send_counts,
@@ -287,10 +288,9 @@ class TritonProvider:
             FP8_MAX=formats.fp8_max(self.fp8_dtype),
             FP8=self.fp8_name,
             EMAX=formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
-            PDL=self._pdl,
             enable_fp_fusion=False,
             num_warps=self.tuning.send_warps,
-            **self._launch_options,
+            **self._pdl_launch,
         )
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
@@ -340,8 +340,7 @@ class TritonProvider:
             BLOCK=self.tuning.copy_block,
             SCALE_BLOCK=triton.next_power_of_2(max(1, _words(layout.scale_stride))),
             num_warps=self.tuning.recv_warps,
-            PDL=self._pdl,
-            **self._launch_options,
+            **self._pdl_launch,
         )
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         handle = CombineHandle(
@@ -411,8 +410,7 @@ class TritonProvider:
             WP=triton.next_power_of_2(cfg.world_size),
             enable_fp_fusion=False,
             num_warps=self.tuning.combine_send_warps,
-            PDL=self._pdl,
-            **self._launch_options,
+            **self._pdl_launch,
         )
         self._combine_handle = handle
 
@@ -444,8 +442,7 @@ class TritonProvider:
             WP=triton.next_power_of_2(cfg.world_size),
             enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
             num_warps=warps,
-            PDL=self._pdl,
-            **self._launch_options,
+            **self._pdl_launch,
         )
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         return out
@@ -461,11 +458,24 @@ PROGRAMMATIC_LAUNCH_CUDA = (12, 3)
 
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels may launch before the one they follow ends (programmatic dependent launch):
-    NVIDIA GPUs from Hopper (sm_90) on, with CUDA 12.3 or later, outside the interpreter."""
+    NVIDIA GPUs from Hopper (sm_90) on, outside the interpreter, where both torch's CUDA and the
+    driver (which makes the launches and the graphs) are 12.3 or later."""
     if device.type != "cuda" or torch.version.cuda is None or _interpreting():
         return False
-    cuda = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
-    return cuda >= PROGRAMMATIC_LAUNCH_CUDA and torch.cuda.get_device_capability(device)[0] >= 9
+    toolkit = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
+    if min(toolkit, cuda_driver_version()) < PROGRAMMATIC_LAUNCH_CUDA:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def cuda_driver_version() -> tuple[int, int]:
+    """(major, minor) CUDA version of the installed driver; (0, 0) where no CUDA driver loads."""
+    version = ctypes.c_int(0)
+    try:
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+    except OSError:
+        return (0, 0)
+    return divmod(version.value // 10, 100)
 
 
 def multiprocessors(device: torch.device) -> int | None:
