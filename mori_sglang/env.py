@@ -107,6 +107,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         kind="bool",
     ),
     EnvVar(
+        "TRTLLM_ENABLE_PDL",
+        "1",
+        "Triton provider on NVIDIA sm_90+: 0 launches our kernels without programmatic dependent launch "
+        "(the variable with which SGLang turns it off for FlashInfer's kernels).",
+        kind="bool",
+    ),
+    EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
         "",
         "Scales per token for blockwise fp8 combine; the block is ceil(hidden / value). Unset: blocks of 128 elements.",

@@ -311,13 +311,18 @@ def test_programmatic_launch_only_where_graphs_keep_it(
     expected: bool,
 ) -> None:
     """Hopper or later, CUDA 12.3 or later in torch and in the driver (ROCm builds have no CUDA version),
-    never in the interpreter."""
+    never in the interpreter, and off with TRTLLM_ENABLE_PDL=0."""
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(triton_provider, "cuda_driver_version", lambda: driver)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRTLLM_ENABLE_PDL", raising=False)
     assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is expected
     assert triton_provider.programmatic_launch(torch.device("cpu")) is False
+    monkeypatch.setenv("TRTLLM_ENABLE_PDL", "0")
+    assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is False
+    monkeypatch.setenv("TRTLLM_ENABLE_PDL", "1")
+    assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is expected
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is False
 

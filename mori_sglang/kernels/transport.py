@@ -23,6 +23,7 @@ that kernel (its end and its writes) before touching memory, so a kernel's end s
 of everything before it. The launch and the programs' start overlap the kernel before instead of
 following it. The routing kernels also let the kernel after them launch as soon as their own wait is
 over: the dispatch send starts while the routing runs, and waits for it before reading its output.
+``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
 """
 
 from __future__ import annotations

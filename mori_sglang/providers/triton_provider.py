@@ -17,7 +17,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from mori_sglang import formats
+from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import transport
@@ -459,8 +459,10 @@ PROGRAMMATIC_LAUNCH_CUDA = (12, 3)
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels may launch before the one they follow ends (programmatic dependent launch):
     NVIDIA GPUs from Hopper (sm_90) on, outside the interpreter, where both torch's CUDA and the
-    driver (which makes the launches and the graphs) are 12.3 or later."""
+    driver (which makes the launches and the graphs) are 12.3 or later, unless TRTLLM_ENABLE_PDL=0."""
     if device.type != "cuda" or torch.version.cuda is None or _interpreting():
+        return False
+    if not env.get_bool("TRTLLM_ENABLE_PDL"):
         return False
     toolkit = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
     if min(toolkit, cuda_driver_version()) < PROGRAMMATIC_LAUNCH_CUDA:
