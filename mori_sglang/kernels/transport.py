@@ -75,8 +75,8 @@ def _routing_start(PDL: tl.constexpr):
     """Start of a routing kernel: after the kernel before it, let the kernel after it launch now. That
     kernel waits for the routing's end before touching memory; releasing it only after the routing's
     own wait keeps at most two grids of the stream in flight."""
+    _after_previous_kernel(PDL)
     if PDL:
-        gdc_wait()
         gdc_launch_dependents()
 
 
@@ -443,8 +443,7 @@ def dispatch_send_kernel(
             _store_all(rows, SCALE_AT * 4, groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         else:
             word = tile * BLOCK + offs
-            value = x_now
-            _store_all(rows, 0, word, value, word < TOKEN_WORDS, present, BLOCK, KP)
+            _store_all(rows, 0, word, x_now, word < TOKEN_WORDS, present, BLOCK, KP)
         if tile == 0:
             # The scale region (copied, or its zero pad after the quantized scales) in one step.
             first_pad = SCALE_WORDS if QUANT else 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -306,7 +307,7 @@ class TritonProvider:
             "W": self.config.world_size,
         }
 
-    def _refuse_receive(self, kind: str) -> None:
+    def _refuse_receive(self, kind: str) -> NoReturn:
         """A receive needs a send of its own: it waits for the round that send opened, and a second
         receive of one round would find its senders' counters already past. A receive that gave up on
         that round is reported first, as the timeout it is."""
