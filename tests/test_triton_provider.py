@@ -165,6 +165,24 @@ def test_tokens_of_several_tiles_are_bit_identical_too(
     _assert_same(runs[0], runs[1], world.ops[0].scale_bytes)
 
 
+def test_the_dispatch_receive_keeps_about_32_kib_of_rows_in_flight_per_sm() -> None:
+    """Its programs per SM follow the row size (the values measured best on an H200), as powers of two
+    within DISPATCH_RECV_PROGRAMS_PER_SM."""
+    tuning = triton_provider.KernelTuning()
+
+    def programs(token_bytes: int, scale_bytes: int, **changes: int) -> int:
+        row_bytes = formats.DispatchRowLayout(token_bytes, scale_bytes, 8).row_bytes
+        return replace(tuning, **changes).dispatch_recv_programs_per_sm(row_bytes)
+
+    assert programs(7168, 224) == 4  # fp8 at hidden 7168: 7488 B rows
+    assert programs(4096, 128) == 8  # fp8 at hidden 4096: 4288 B rows
+    assert programs(2048, 64) == 16
+    assert programs(7168, 224, dispatch_recv_bytes_per_sm=65536) == 8
+    fewest, most = triton_provider.DISPATCH_RECV_PROGRAMS_PER_SM
+    assert programs(14336, 0) == fewest  # bf16 rows at hidden 7168: two would fit
+    assert programs(64, 0) == most
+
+
 @pytest.mark.parametrize("dispatch", [DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4])
 def test_fused_dispatch_quantization_matches_the_reference_on_edge_values(dispatch: DispatchDtype) -> None:
     """Ties of e2m1 and e4m3, negatives that round to zero, saturation, all-zero groups, tiny groups."""

@@ -9,6 +9,7 @@ or synchronises with the host on the hot path, so the calls can be captured in a
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from dataclasses import dataclass
 from typing import NoReturn
@@ -58,11 +59,21 @@ class KernelTuning:
     combine_recv_warps: int = 4
     combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
     combine_recv_warps_fp8: int = 2
-    # Every program of the dispatch receive waits for the senders before it knows its rows, so its
-    # grid (sized for the most rows a rank can receive) costs small batches in large buffers.
-    dispatch_recv_programs_per_sm: int = 16
+    # Rows in flight per SM in the dispatch receive (a program moves one row at a time), about the
+    # device's bandwidth-delay product per SM: more programs add DRAM contention, and every program
+    # waits for the senders before it knows its rows (its grid covers the most rows a rank can receive,
+    # so idle programs cost decode batches in buffers sized for prefill).
+    dispatch_recv_bytes_per_sm: int = 32768
     combine_send_programs_per_sm: int = 32  # idle programs exit at once; one row or tile per item
     combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
+
+    def dispatch_recv_programs_per_sm(self, row_bytes: int) -> int:
+        """Programs per SM of the dispatch receive: the rows that fit in ``dispatch_recv_bytes_per_sm``,
+        to the nearest power of two, within DISPATCH_RECV_PROGRAMS_PER_SM (measured on an H200:
+        docs/performance.md)."""
+        fewest, most = DISPATCH_RECV_PROGRAMS_PER_SM
+        nearest = 1 << max(0, round(math.log2(self.dispatch_recv_bytes_per_sm / row_bytes)))
+        return min(most, max(fewest, nearest))
 
     def __post_init__(self) -> None:
         for name in TILE_FIELDS:
@@ -81,6 +92,8 @@ TILE_FIELDS = (
 )
 # The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
 MIN_TILE = 64
+# The dispatch receive's programs per SM, whatever its rows' size.
+DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
 
 
 # The kernels that count their finished work (one word of ``_tickets`` each, in this order).
@@ -323,7 +336,8 @@ class TritonProvider:
             self._refuse_receive("dispatch")
         slot_of_pair, self._slot_of_pair = self._slot_of_pair, None  # each send is received once
         cfg = self.config
-        transport.dispatch_recv_kernel[self._grid(self.tuning.dispatch_recv_programs_per_sm, self.arena_layout.slots)](
+        programs_per_sm = self.tuning.dispatch_recv_programs_per_sm(layout.row_bytes)
+        transport.dispatch_recv_kernel[self._grid(programs_per_sm, self.arena_layout.slots)](
             self.arena.base,
             self.tokens_out,
             self.scales_out,
