@@ -185,18 +185,20 @@ def test_the_dispatch_receive_keeps_about_32_kib_of_rows_in_flight_per_sm() -> N
 
 @pytest.mark.parametrize("dispatch", [DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4])
 def test_fused_dispatch_quantization_matches_the_reference_on_edge_values(dispatch: DispatchDtype) -> None:
-    """Ties of e2m1 and e4m3, negatives that round to zero, saturation, all-zero groups, tiny groups."""
+    """Ties of e2m1 and e4m3, negatives that round to zero, saturation, all-zero groups, tiny groups,
+    subnormal groups (the smallest e8m0 scale, whose inverse is 2^127) and huge ones."""
     edge = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1, 7.0, -2.5, 1.0625, 448.0, -0.0, 0.5, 3.0])
-    rows = [edge.repeat(HIDDEN // 16), torch.zeros(HIDDEN), edge.repeat(HIDDEN // 16) * 2.0**-100]
+    rows = [edge.repeat(HIDDEN // 16) * scale for scale in (1.0, 0.0, 2.0**-100, 2.0**-130, 2.0**110)]
     x = torch.stack(rows).to(torch.bfloat16).to(DEVICE)
+    n = x.shape[0]
     cfg = _config(1, dispatch_dtype=dispatch, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)
-    ids = torch.arange(TOPK, dtype=torch.int32, device=DEVICE).repeat(3, 1)
-    out = world.dispatch([x], [torch.ones(3, TOPK, device=DEVICE)], None, [ids])[0]
+    ids = torch.arange(TOPK, dtype=torch.int32, device=DEVICE).repeat(n, 1)
+    out = world.dispatch([x], [torch.ones(n, TOPK, device=DEVICE)], None, [ids])[0]
     payload, scales = formats.quantize_dispatch(x, dispatch, world.ops[0].fp8_dtype)
-    assert out.num_recv_host() == 3
-    assert torch.equal(out.tokens[:3].view(torch.uint8).cpu(), payload.view(torch.uint8).cpu())
-    assert torch.equal(out.recv_scales()[:3].cpu(), scales.contiguous().view(torch.uint8).view(3, -1).cpu())
+    assert out.num_recv_host() == n
+    assert torch.equal(out.tokens[:n].view(torch.uint8).cpu(), payload.view(torch.uint8).cpu())
+    assert torch.equal(out.recv_scales()[:n].cpu(), scales.contiguous().view(torch.uint8).view(n, -1).cpu())
 
 
 def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:
