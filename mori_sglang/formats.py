@@ -199,9 +199,12 @@ def mx_emax(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> int:
 
 
 def _e8m0_exponent(amax: torch.Tensor, emax: int) -> torch.Tensor:
-    """OCP MX shared exponent: floor(log2(amax)) - emax, clamped to e8m0's range; amax 0 -> -127."""
+    """OCP MX shared exponent: floor(log2(amax)) - emax, clamped to e8m0's range; amax 0 -> -127. An
+    infinite amax counts as 2^128 (its f32 exponent field, which is what a kernel reading the bits sees):
+    its group gets the largest scale the format reaches."""
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    exp = torch.frexp(safe).exponent - 1  # exact floor(log2) for f32
+    exp = torch.frexp(safe).exponent - 1  # exact floor(log2) for finite f32
+    exp = torch.where(safe.isinf(), torch.full_like(exp, 128), exp)
     exp = torch.where(amax > 0, exp - emax, torch.full_like(exp, -E8M0_BIAS))
     return exp.clamp(-E8M0_BIAS, E8M0_BIAS)
 

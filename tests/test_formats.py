@@ -391,6 +391,24 @@ def test_mxfp8_exponents_and_payload(flavour: str, seed: int) -> None:
     assert back[0, 7] == 2.0  # a power-of-two amax round-trips exactly
 
 
+@pytest.mark.parametrize(
+    ("dtype", "flavour", "biased"),
+    [
+        (DispatchDtype.MXFP4, "e4m3fn", 253),
+        (DispatchDtype.MXFP8, "e4m3fn", 247),
+        (DispatchDtype.MXFP8, "e4m3fnuz", 248),
+    ],
+)
+def test_a_group_with_an_infinity_gets_the_largest_scale(dtype: DispatchDtype, flavour: str, biased: int) -> None:
+    """An infinite amax counts as 2^128 (the f32 exponent field, as the kernels read it): exponent 128 - emax.
+    The groups around it keep their own scales."""
+    x = torch.ones(1, 96, dtype=torch.bfloat16)
+    x[0, 40] = float("-inf")
+    _, scales = formats.quantize_dispatch(x, dtype, FP8_TYPES[flavour])
+    ones = 127 - formats.mx_emax(dtype, FP8_TYPES[flavour])
+    assert scales.tolist() == [[ones, biased, ones]]
+
+
 def _unsigned_zero(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 7) == 0, torch.zeros_like(codes), codes)
 

@@ -64,15 +64,14 @@ def test_e2m1_codes_match_the_reference_for_every_value(rng: random.Random) -> N
 def test_scaling_by_the_inverse_power_of_two_matches_the_reference_division(rng: random.Random) -> None:
     """Each element of a group times the inverse of its e8m0 power of two, against the reference's
     exponent and division: groups whose largest magnitude runs over every bf16 value (subnormal ones
-    clamp to the smallest scale, 2^-127), with elements from zero to that magnitude."""
+    clamp to the smallest scale, 2^-127; an infinite one takes the largest), with elements from that
+    magnitude down to 2^-160 of it, so that quotients reach the subnormals too."""
     amax = _every_bf16_value().abs().unique()
-    amax = amax[amax.isfinite()]
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    x = (
-        (amax * torch.rand(amax.shape, generator=gen) * torch.randn(amax.shape, generator=gen).sign())
-        .bfloat16()
-        .float()
-    )
+    top = torch.where(amax.isinf(), torch.finfo(torch.float32).max, amax)
+    shrink = torch.exp2(-torch.randint(0, 161, amax.shape, generator=gen).float())
+    x = top * torch.rand(amax.shape, generator=gen) * shrink * torch.randn(amax.shape, generator=gen).sign()
+    x = torch.where(amax.isinf(), amax * x.sign(), x).bfloat16().float()
     mx_formats = [(DispatchDtype.MXFP4, torch.float8_e4m3fn)]
     mx_formats += [(DispatchDtype.MXFP8, fp8) for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)]
     for dtype, fp8_dtype in mx_formats:
@@ -86,3 +85,5 @@ def test_scaling_by_the_inverse_power_of_two_matches_the_reference_division(rng:
         assert torch.equal(exponent.cpu(), want_exponent.int())
         want = x / formats._e8m0_scale(want_exponent)
         assert torch.equal(scaled.cpu().view(torch.int32), want.view(torch.int32))
+        quotients = want[want != 0].abs()
+        assert (quotients < torch.finfo(torch.float32).tiny).any() and quotients.isinf().any()

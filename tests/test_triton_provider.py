@@ -185,13 +185,17 @@ def test_the_dispatch_receive_keeps_about_32_kib_of_rows_in_flight_per_sm() -> N
 
 @pytest.mark.parametrize("dispatch", [DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4])
 def test_fused_dispatch_quantization_matches_the_reference_on_edge_values(dispatch: DispatchDtype) -> None:
-    """Ties of e2m1 and e4m3, negatives that round to zero, saturation, all-zero groups, tiny groups,
-    subnormal groups (the smallest e8m0 scale, whose inverse is 2^127) and huge ones."""
+    """Ties of e4m3, negatives that round to zero, saturation, all-zero groups, tiny groups, subnormal
+    groups (the smallest e8m0 scale, whose inverse is 2^127), huge ones, groups with an infinity, and
+    groups of largest magnitude 6, whose e8m0 scale is 1, so that the e2m1 ties stay ties."""
     edge = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1, 7.0, -2.5, 1.0625, 448.0, -0.0, 0.5, 3.0])
     rows = [edge.repeat(HIDDEN // 16) * scale for scale in (1.0, 0.0, 2.0**-100, 2.0**-130, 2.0**110)]
+    ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.5])
+    rows.append(ties.repeat(HIDDEN // 16))
+    rows.append(torch.where(torch.arange(HIDDEN) % 37 == 5, float("inf"), ties.repeat(HIDDEN // 16)))
     x = torch.stack(rows).to(torch.bfloat16).to(DEVICE)
     n = x.shape[0]
-    cfg = _config(1, dispatch_dtype=dispatch, provider="triton")
+    cfg = EpConfig(1, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=n, dispatch_dtype=dispatch, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)
     ids = torch.arange(TOPK, dtype=torch.int32, device=DEVICE).repeat(n, 1)
     out = world.dispatch([x], [torch.ones(n, TOPK, device=DEVICE)], None, [ids])[0]

@@ -59,23 +59,25 @@ class KernelTuning:
     combine_recv_warps: int = 4
     combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
     combine_recv_warps_fp8: int = 2
-    # Rows in flight per SM in the dispatch receive (a program moves one row at a time), about the
-    # device's bandwidth-delay product per SM: more programs add DRAM contention, and every program
-    # waits for the senders before it knows its rows (its grid covers the most rows a rank can receive,
-    # so idle programs cost decode batches in buffers sized for prefill).
+    # Bytes of rows in flight per SM in the dispatch receive (a program moves one row at a time), close
+    # to an SM's share of the device's bandwidth-delay product: more programs add DRAM contention, and
+    # every program waits for the senders before it knows its rows (its grid covers the most rows a rank
+    # can receive, so idle programs cost decode batches in buffers sized for prefill).
     dispatch_recv_bytes_per_sm: int = 32768
     combine_send_programs_per_sm: int = 32  # idle programs exit at once; one row or tile per item
     combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
 
     def dispatch_recv_programs_per_sm(self, row_bytes: int) -> int:
         """Programs per SM of the dispatch receive: the rows that fit in ``dispatch_recv_bytes_per_sm``,
-        to the nearest power of two, within DISPATCH_RECV_PROGRAMS_PER_SM (measured on an H200:
-        docs/performance.md)."""
+        rounded to a power of two (2^round(log2)), within DISPATCH_RECV_PROGRAMS_PER_SM (measured on
+        an H200: docs/performance.md)."""
         fewest, most = DISPATCH_RECV_PROGRAMS_PER_SM
         nearest = 1 << max(0, round(math.log2(self.dispatch_recv_bytes_per_sm / row_bytes)))
         return min(most, max(fewest, nearest))
 
     def __post_init__(self) -> None:
+        if self.dispatch_recv_bytes_per_sm <= 0:
+            raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
         for name in TILE_FIELDS:
             value = getattr(self, name)
             if value < MIN_TILE or value & (value - 1):
@@ -92,7 +94,7 @@ TILE_FIELDS = (
 )
 # The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
 MIN_TILE = 64
-# The dispatch receive's programs per SM, whatever its rows' size.
+# The fewest and the most programs per SM of the dispatch receive, whatever its rows' size.
 DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
 
 
