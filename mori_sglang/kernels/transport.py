@@ -175,13 +175,14 @@ QUANT_MXFP4 = 3
 @triton.jit
 def _e8m0(amax, EMAX: tl.constexpr):
     """OCP MX shared exponent floor(log2 amax) - EMAX, clamped to e8m0, and the inverse of its power of
-    two. The exponent is at most 255 - 127 - EMAX <= 126, so the inverse is a normal f32, exactly; and
-    f32 arithmetic keeps subnormals, so x * inverse rounds the same real number as the reference's
-    x / 2^exponent: the same bits, for one multiplication instead of a division per element."""
+    two. The exponent is at most 255 - 127 - EMAX <= 126 (so only e8m0's lower bound needs a clamp),
+    and the inverse is a normal f32, exactly; f32 arithmetic keeps subnormals, so x * inverse rounds
+    the same real number as the reference's x / 2^exponent: the same bits, for one multiplication
+    instead of a division per element."""
     tl.static_assert(EMAX >= 2, "the inverse of 2^exponent is a normal f32 only for EMAX >= 2")
     biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     exponent = tl.where(amax > 0, biased - 127 - EMAX, -127)
-    exponent = tl.minimum(tl.maximum(exponent, -127), 127)
+    exponent = tl.maximum(exponent, -127)
     return exponent, ((127 - exponent) << 23).to(tl.float32, bitcast=True)
 
 
