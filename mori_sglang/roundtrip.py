@@ -27,7 +27,7 @@ import torch
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.loopback import LoopbackWorld
-from mori_sglang.types import DispatchOutput
+from mori_sglang.tools.measure import identity_expert, resolve_device, sync
 
 # (dispatch, combine): the bf16 baseline, each dispatch format with bf16 combine, each combine format
 # with bf16 dispatch, so every row isolates one format's cost.
@@ -108,22 +108,6 @@ def make_batch(args: argparse.Namespace, device: torch.device) -> Batch:
     return Batch(xs, weights, ids, exact)
 
 
-def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int) -> torch.Tensor:
-    """What an expert that returns its input would produce: the dequantized received tokens, as bf16."""
-    n = out.num_recv_host()
-    scales = None
-    if dispatch is DispatchDtype.FP8:
-        scales = out.recv_scales(torch.float32)[:n]
-    elif dispatch is not DispatchDtype.BF16:
-        scales = out.recv_scales(torch.uint8)[:n]
-    return formats.dequantize_dispatch(out.tokens[:n], scales, dispatch, hidden).to(torch.bfloat16)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_format(
     args: argparse.Namespace, batch: Batch, dispatch: DispatchDtype, combine: CombineDtype, device: torch.device
 ) -> tuple[Row, list[torch.Tensor]]:
@@ -144,16 +128,16 @@ def run_format(
     dispatch_times, combine_times = [], []
     combined: list[torch.Tensor] = []
     for step in range(args.warmup + args.iters):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         outs = world.dispatch(batch.xs, batch.weights, None, batch.ids)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
-        ys = [identity_expert(out, dispatch, args.hidden) for out in outs]
-        _sync(device)
+        ys = [identity_expert(out, dispatch, args.hidden, out.num_recv_host()) for out in outs]
+        sync(device)
         t2 = time.perf_counter()
         combined = world.combine(ys, [out.handle for out in outs])
-        _sync(device)
+        sync(device)
         t3 = time.perf_counter()
         if step >= args.warmup:
             dispatch_times.append(t1 - t0)
@@ -184,12 +168,6 @@ def markdown(rows: Sequence[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine (CPU torch, Triton's interpreter, stock SGLang and vLLM) and
-# runs the whole test suite. Each plugin's tests run in a venv of its own, next to the real package.
+# runs the whole test suite. Suites are folders of tests/: each framework's integration tests run in a
+# venv of their own, next to the real package; everything else runs in .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -10,10 +11,10 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 triton==3.7.1
 .venv/bin/pip install -q -e '.[test]'
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q tests --ignore-glob='tests/test_sglang_*' --ignore-glob='tests/test_vllm_*'
+.venv/bin/python -m pytest -q tests --ignore=tests/integrations
 
 bash .ci/install-sglang.sh .venv-sglang
-.venv-sglang/bin/python -m pytest -q tests/test_sglang_*.py
+.venv-sglang/bin/python -m pytest -q tests/integrations/sglang
 
 bash .ci/install-vllm.sh .venv-vllm
-.venv-vllm/bin/python -m pytest -q tests/test_vllm_*.py
+.venv-vllm/bin/python -m pytest -q tests/integrations/vllm

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-import interpreter_casts
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from mori_sglang.providers import triton_provider
 from mori_sglang.providers.triton_provider import PeerTimeoutError
 from mori_sglang.routing import source_of_rows
 from mori_sglang.types import InputError
+from tests import interpreter_casts
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_gloo
 
 from mori_sglang import formats, providers
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
@@ -21,8 +20,9 @@ from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, kernel_type_name, mori_config_kwargs
 from mori_sglang.types import InputError
+from tests.helpers import run_gloo
 
-FAKE_MORI = str(Path(__file__).parent / "fake_mori")
+FAKE_MORI = str(Path(__file__).parents[1] / "fake_mori")
 HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 256, 8, 3, 6
 
 

@@ -44,12 +44,11 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         allow_module_level=True,
     )
 
-from conftest import BASE_SEED, generator, make_tokens, run_gloo
-
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, Mode
 from mori_sglang.integrations.vllm.all2all import MoriSglangAll2AllManager
 from mori_sglang.integrations.vllm.prepare_finalize import MoriSglangPrepareAndFinalize
+from tests.helpers import BASE_SEED, generator, make_tokens, run_gloo
 
 BACKENDS = ("mori_high_throughput", "mori_low_latency")
 WORLD = 2

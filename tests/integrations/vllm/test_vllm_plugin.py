@@ -27,8 +27,6 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         allow_module_level=True,
     )
 
-from conftest import generator, make_tokens
-
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.env import EnvError
@@ -37,6 +35,7 @@ from mori_sglang.integrations.vllm.activations import ActivationPlan, expert_for
 from mori_sglang.integrations.vllm.all2all import MoriSglangAll2AllManager, ep_config_from_vllm
 from mori_sglang.integrations.vllm.prepare_finalize import MoriSglangPrepareAndFinalize
 from mori_sglang.loopback import LoopbackWorld
+from tests.helpers import generator, make_tokens
 
 HIDDEN = 256
 FP8 = torch.float8_e4m3fn

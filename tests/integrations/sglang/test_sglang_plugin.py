@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mori_sglang.integrations.sglang.cpu_import import prepare_sglang_cpu_import
+from tests.integrations.sglang.cpu_import import prepare_sglang_cpu_import
 
 prepare_sglang_cpu_import()
 pytest.importorskip(
@@ -31,7 +31,6 @@ pytest.importorskip(
 )
 
 import torch.distributed as dist  # noqa: E402
-from conftest import generator, run_gloo  # noqa: E402
 from sglang.srt.arg_groups.resolution_hooks import _HOOKS  # noqa: E402
 from sglang.srt.batch_overlap import two_batch_overlap  # noqa: E402
 from sglang.srt.batch_overlap.two_batch_overlap import MaybeTboDeepEPDispatcher  # noqa: E402
@@ -54,6 +53,7 @@ from mori_sglang.integrations.sglang import plugin  # noqa: E402
 from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher  # noqa: E402
 from mori_sglang.op import InputError  # noqa: E402
 from mori_sglang.providers.mori_provider import finalize_shmem  # noqa: E402
+from tests.helpers import generator, run_gloo  # noqa: E402
 
 # Captured before any test loads the plugins, inside a tuple: the registry rebinds every module-level
 # name that holds the replaced class.
@@ -668,7 +668,7 @@ def _layer_worker(rank: int, world_size: int, seed: int) -> None:
 
 def _mori_layer_worker(rank: int, world_size: int, seed: int) -> None:
     """The same layer through SGLANG_MORI_BACKEND=mori, over the MoRI stand-in (tests/fake_mori)."""
-    sys.path.insert(0, str(Path(__file__).parent / "fake_mori"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "fake_mori"))
     for name in list(os.environ):
         if name.startswith(("SGLANG_MORI_", "MORI_")):
             del os.environ[name]

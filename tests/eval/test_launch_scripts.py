@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 SYSTEM_PATH = "/usr/bin:/bin"
 SGLANG = ("sglang_deepseek_r1_mxfp4.sh", "sglang_h200_moe.sh")
 VLLM = ("vllm_deepseek_r1_mxfp4.sh", "vllm_h200_moe.sh")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "2", "--combine-dtype", "bf16", "fp8_blockwise"]
 
 
@@ -30,7 +30,7 @@ def _table_rows(text: str) -> list[list[str]]:
 def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     text = _run(
-        [sys.executable, "-m", "mori_sglang.bench", "--world", "2", "--tokens", "4", "--mode", "low_latency",
+        [sys.executable, "-m", "mori_sglang.tools.bench", "--world", "2", "--tokens", "4", "--mode", "low_latency",
          "--dispatch-dtype", "fp8", "--json", str(out), *SMALL],
         tmp_path,
     )  # fmt: skip
@@ -46,7 +46,7 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
 def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path) -> None:
     """Decode batches run far below the buffers' capacity in a server: the capacity is its own flag."""
     out = tmp_path / "bench.json"
-    common = [sys.executable, "-m", "mori_sglang.bench", "--world", "2", "--mode", "low_latency", *SMALL]
+    common = [sys.executable, "-m", "mori_sglang.tools.bench", "--world", "2", "--mode", "low_latency", *SMALL]
     text = _run([*common, "--tokens", "3", "5", "--max-tokens-per-rank", "16", "--json", str(out)], tmp_path)
     assert "buffers sized for 16 tokens per rank" in text
     rows = json.loads(out.read_text())["rows"]
@@ -60,7 +60,7 @@ def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path
 def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "dist.json"
     text = _run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mori_sglang.bench_dist",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mori_sglang.tools.bench_dist",
          "--provider", "torch", "--tokens", "6", "--mode", "intranode", "low_latency", "--json", str(out), *SMALL],
         tmp_path,
     )  # fmt: skip
@@ -75,7 +75,7 @@ def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
 def test_tuning_sweep_times_each_variant_beside_the_defaults(tmp_path: Path) -> None:
     out = tmp_path / "tune.json"
     text = _run(
-        [sys.executable, "-m", "mori_sglang.tune", "--world", "2", "--tokens", "4", "--mode", "low_latency",
+        [sys.executable, "-m", "mori_sglang.tools.tune", "--world", "2", "--tokens", "4", "--mode", "low_latency",
          "--vary", "send_warps=2,4", "route_block=64+combine_recv_tile=512", "--json", str(out), *SMALL],
         tmp_path,
     )  # fmt: skip
@@ -90,7 +90,7 @@ def test_tuning_sweep_times_each_variant_beside_the_defaults(tmp_path: Path) -> 
 def test_tuning_sweep_names_the_fields_it_accepts(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "mori_sglang.tune", "--vary", "warp_count=2"],
+        [sys.executable, "-m", "mori_sglang.tools.tune", "--vary", "warp_count=2"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode != 0

@@ -22,7 +22,7 @@ from eval.layer_accuracy.metrics import (
 from eval.layer_accuracy.run import MODES, LayerSetup, make_workload, run
 from mori_sglang import CombineDtype, Provider
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
 
 

@@ -1,7 +1,7 @@
 """Benchmark across real ranks (one process per GPU): dispatch and combine beside NCCL all_to_all.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-    torchrun --nproc-per-node 8 -m mori_sglang.bench_dist --tokens 128 4096 --hidden 7168 --topk 8 \
+    torchrun --nproc-per-node 8 -m mori_sglang.tools.bench_dist --tokens 128 4096 --hidden 7168 --topk 8 \
         --experts 256 --dispatch-dtype fp8 --combine-dtype bf16 fp8_blockwise fp8_direct_cast
 
 Each timed step is one dispatch (send + receive) and one combine on every rank, started together after
@@ -16,16 +16,16 @@ import argparse
 import json
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from mori_sglang import formats
-from mori_sglang.bench import add_workload_args, speedup_cells, workload_configs
-from mori_sglang.config import DispatchDtype, EpConfig, Provider
+from mori_sglang.config import EpConfig, Provider
 from mori_sglang.op import EpDispatchCombineOp
+from mori_sglang.tools.measure import Stopwatch, identity_expert
+from mori_sglang.tools.workload import add_workload_args, speedup_cells, workload_configs
 
 
 @dataclass
@@ -42,42 +42,14 @@ class DistRow:
     combine_gbs: float
 
 
-class _Timer:
-    """Wall time of a region on this rank's device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def __enter__(self) -> _Timer:
-        if self.device.type == "cuda":
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.end = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
-
-
 def _step(op: EpDispatchCombineOp, x, weights, ids, device: torch.device) -> tuple[float, float, int]:
     """One dispatch and one identity-expert combine; returns (dispatch s, combine s, rows received)."""
-    with _Timer(device) as t_dispatch:
+    with Stopwatch(device) as t_dispatch:
         op.dispatch_send(x, weights, None, ids)
         out = op.dispatch_recv()
-    cfg = op.config
-    scales = None
-    if out.scales is not None:
-        scales = out.recv_scales(torch.float32 if cfg.dispatch_dtype is DispatchDtype.FP8 else torch.uint8)
-    y = formats.dequantize_dispatch(out.tokens, scales, cfg.dispatch_dtype, cfg.hidden).to(torch.bfloat16)
+    y = identity_expert(out, op.config.dispatch_dtype, op.config.hidden)
     dist.barrier()
-    with _Timer(device) as t_combine:
+    with Stopwatch(device) as t_combine:
         op.combine_send(y, out.handle)
         op.combine_recv()
     return t_dispatch.seconds, t_combine.seconds, out.num_recv_host()

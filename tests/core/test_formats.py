@@ -13,11 +13,11 @@ import math
 
 import pytest
 import torch
-from conftest import FP8_TYPES, fp8_error_bound, generator, make_tokens, needs_cuda
 
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, combine_block_from_scale_dim
 from mori_sglang.formats import FormatError
+from tests.helpers import FP8_TYPES, fp8_error_bound, generator, make_tokens, needs_cuda
 
 FLAVOURS = list(FP8_TYPES)
 FP8_COMBINES = (CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE, CombineDtype.FP8_DIRECT_CAST)

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode
+from mori_sglang.op import EpDispatchCombineOp, InputError
+from tests.helpers import (
     RankResult,
     Scenario,
     assert_results_identical,
@@ -22,9 +25,6 @@ from conftest import (
     run_step,
     world_inputs,
 )
-
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode
-from mori_sglang.op import EpDispatchCombineOp, InputError
 
 UNEVEN = (5, 0, 7, 3)
 

@@ -1,6 +1,6 @@
 """Benchmark of dispatch and combine in a loopback world: time, algorithm GB/s, % of the copy roofline.
 
-    python -m mori_sglang.bench --world 8 --tokens 128 4096 --hidden 7168 --topk 8 --experts 256 \
+    python -m mori_sglang.tools.bench --world 8 --tokens 128 4096 --hidden 7168 --topk 8 --experts 256 \
         --dispatch-dtype fp8 --combine-dtype bf16 fp8_blockwise fp8_direct_cast --mode low_latency
 
 Every rank's buffers sit on one device, so the numbers measure the kernels' memory traffic against
@@ -14,21 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.config import EpConfig, Provider
 from mori_sglang.loopback import LoopbackWorld
-from mori_sglang.roundtrip import resolve_device
 from mori_sglang.routing import owning_destinations
+from mori_sglang.tools.measure import copy_bandwidth, identity_expert, resolve_device, time_phases
+from mori_sglang.tools.workload import add_workload_args, speedup_cells, workload_configs
 
 if TYPE_CHECKING:
-    from mori_sglang.bench_dist import DistRow
     from mori_sglang.providers.triton_provider import KernelTuning
 
 
@@ -54,44 +53,6 @@ class Row:
     combine_send_pct: float
     combine_recv_pct: float
     round_trip_pct: float
-
-
-def roofline_bytes(device: torch.device) -> int:
-    """Buffer size of a bandwidth measurement: 1 GiB on a GPU (far past its caches), 64 MiB on CPU."""
-    return (1 << 30) if device.type == "cuda" else (1 << 26)
-
-
-def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
-    """Device-to-device copy GB/s over ``roofline_bytes``, counting bytes read plus bytes written."""
-    nbytes = roofline_bytes(device)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = time_phases([lambda: dst.copy_(src)], device, iters)[0]
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_phases(phases: list[Callable[[], object]], device: torch.device, iters: int) -> list[list[float]]:
-    """Seconds of each phase per iteration (phases run in order every iteration)."""
-    out: list[list[float]] = [[] for _ in phases]
-    for _ in range(iters):
-        for i, phase in enumerate(phases):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                phase()
-                end.record()
-                end.synchronize()
-                out[i].append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                phase()
-                out[i].append(time.perf_counter() - t0)
-    return out
 
 
 def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
@@ -134,7 +95,7 @@ def bench_one(
     # The expert side returns the received tokens (dequantized) as its outputs.
     dispatch_send()
     dispatch_recv()
-    ys = [_expert_identity(o, cfg) for o in outs]
+    ys = [identity_expert(o, cfg.dispatch_dtype, cfg.hidden) for o in outs]
 
     def combine_send() -> None:
         for op, y, o in zip(ops, ys, outs, strict=True):
@@ -163,13 +124,6 @@ def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]
     with torch.cuda.graph(g):
         fn()
     return g.replay
-
-
-def _expert_identity(out, cfg: EpConfig) -> torch.Tensor:
-    scales = None
-    if out.scales is not None:
-        scales = out.recv_scales(torch.float32 if cfg.dispatch_dtype is DispatchDtype.FP8 else torch.uint8)
-    return formats.dequantize_dispatch(out.tokens, scales, cfg.dispatch_dtype, cfg.hidden).to(torch.bfloat16)
 
 
 def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw: float) -> Row:
@@ -214,13 +168,6 @@ def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw:
     )
 
 
-def speedup_cells(row: Row | DistRow, base: Row | DistRow | None) -> tuple[str, str]:
-    """Dispatch and combine time of the torch baseline over the row's, as table cells ("-" without one)."""
-    if base is None:
-        return "-", "-"
-    return f"{base.dispatch_us / row.dispatch_us:.1f}", f"{base.combine_us / row.combine_us:.1f}"
-
-
 def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str:
     lines = [
         f"copy roofline (read+write): {copy_bw:.0f} GB/s",
@@ -258,58 +205,6 @@ def plot(rows: list[Row], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """The workload flags both benchmarks share (sizes, dtypes, modes, iterations)."""
-    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
-    parser.add_argument(
-        "--max-tokens-per-rank",
-        type=int,
-        help="buffer capacity per rank (default: each batch's own size); a server sizes its buffers for the "
-        "largest batch and runs decode batches far below it",
-    )
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--dispatch-dtype", default="fp8", choices=[d.value for d in DispatchDtype])
-    parser.add_argument(
-        "--combine-dtype",
-        nargs="+",
-        default=["bf16", "fp8_blockwise", "fp8_direct_cast"],
-        choices=[c.value for c in CombineDtype],
-    )
-    parser.add_argument("--mode", nargs="+", default=["intranode", "low_latency"], choices=[m.value for m in Mode])
-    parser.add_argument("--no-baseline", action="store_true", help="skip the torch provider baseline")
-    parser.add_argument("--iters", type=int, default=20)
-
-
-def workload_configs(
-    args: argparse.Namespace, world_size: int, rank: int, provider: Provider
-) -> Iterator[tuple[EpConfig, int]]:
-    """Every (mode, tokens per rank, combine dtype) point of the sweep the workload flags describe, as
-    the op's config and the batch size per rank."""
-    capacity = args.max_tokens_per_rank
-    if capacity is not None and capacity < max(args.tokens):
-        raise SystemExit(f"--max-tokens-per-rank {capacity} is below the largest --tokens value {max(args.tokens)}")
-    for mode in args.mode:
-        for tokens in args.tokens:
-            for combine in args.combine_dtype:
-                yield (
-                    EpConfig(
-                        world_size=world_size,
-                        rank=rank,
-                        hidden=args.hidden,
-                        num_experts=args.experts,
-                        topk=args.topk,
-                        max_tokens_per_rank=capacity or tokens,
-                        dispatch_dtype=args.dispatch_dtype,
-                        combine_dtype=combine,
-                        mode=mode,
-                        provider=provider,
-                    ),
-                    tokens,
-                )
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

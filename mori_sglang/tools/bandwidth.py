@@ -2,7 +2,7 @@
 fill, and the dispatch send's fan-out (read a token once, write a byte per element to D destinations),
 each as GB/s and % of the copy roofline.
 
-    python -m mori_sglang.bandwidth --tokens 4096 --hidden 7168 --fan-out 1 4 8
+    python -m mori_sglang.tools.bandwidth --tokens 4096 --hidden 7168 --fan-out 1 4 8
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import torch
 import triton
 import triton.testing
 
-from mori_sglang.bench import copy_bandwidth, roofline_bytes, time_phases
 from mori_sglang.kernels.probes import fan_out_kernel
 from mori_sglang.providers.triton_provider import INTERPRETER_PROGRAMS, multiprocessors
-from mori_sglang.roundtrip import resolve_device
+from mori_sglang.tools.measure import copy_bandwidth, resolve_device, roofline_bytes, time_phases
 
 # (warps, programs per SM): the dispatch send's shape and two wider ones.
 FAN_OUT_SHAPES = ((1, 32), (2, 16), (4, 8))

@@ -21,7 +21,7 @@ from eval.gsm8k.data import read_jsonl
 from eval.gsm8k.prompt import get_answer_value
 from eval.scripted_server import ScriptedServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEST_JSONL = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 LINES = read_jsonl(TEST_JSONL)
 DTYPES = ("bf16", "fp8", "fp8_direct_cast")

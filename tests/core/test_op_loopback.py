@@ -13,7 +13,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import (
+
+from mori_sglang import LoopbackWorld
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.exchange import ExchangeError, LoopbackHub
+from mori_sglang.formats import FormatError
+from mori_sglang.op import EpDispatchCombineOp, InputError
+from mori_sglang.types import DispatchOutput
+from tests.helpers import (
     INPUTS,
     ROUTINGS,
     RankInputs,
@@ -28,13 +35,6 @@ from conftest import (
     run_step,
     world_inputs,
 )
-
-from mori_sglang import LoopbackWorld
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
-from mori_sglang.exchange import ExchangeError, LoopbackHub
-from mori_sglang.formats import FormatError
-from mori_sglang.op import EpDispatchCombineOp, InputError
-from mori_sglang.types import DispatchOutput
 
 MODES = list(Mode)
 COMBINES = [

@@ -11,7 +11,7 @@ import pytest
 
 from mori_sglang import roundtrip
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--world", "2", "--tokens", "3", "--hidden", "256", "--experts", "16", "--topk", "4", "--device", "cpu"]
 # At hidden 256: bf16 512 B; fp8 / mxfp8 256 B + a 128 B scale stride; fp4 128 B + 128 B; blockwise combine
 # 256 B + 2 f32 scales.

@@ -22,7 +22,7 @@ from mori_sglang.config import (
 )
 from mori_sglang.env import EnvError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FP4 = torch.float4_e2m1fn_x2
 SHAPE = {"world_size": 8, "rank": 3, "hidden": 7168, "num_experts": 256, "topk": 8}
 

@@ -1,7 +1,7 @@
 """One-factor sweep of the Triton kernels' tuning: each variant changes one or more KernelTuning fields
 from the defaults and is timed phase by phase in a loopback world, beside the defaults.
 
-    python -m mori_sglang.tune --tokens 128 4096 --mode low_latency --combine-dtype bf16 fp8_blockwise \\
+    python -m mori_sglang.tools.tune --tokens 128 4096 --mode low_latency --combine-dtype bf16 fp8_blockwise \\
         --vary send_warps=2,4 combine_send_programs_per_sm=16,64 combine_recv_tile=1024,4096
 
 A variant ``a=1,2`` sweeps one field; ``a=1+b=2`` changes two fields together. Use it to retune for
@@ -15,10 +15,11 @@ import dataclasses
 import json
 from collections.abc import Iterator
 
-from mori_sglang.bench import Row, add_workload_args, bench_one, copy_bandwidth, workload_configs
 from mori_sglang.config import Provider
 from mori_sglang.providers.triton_provider import KernelTuning
-from mori_sglang.roundtrip import resolve_device
+from mori_sglang.tools.bench import Row, bench_one
+from mori_sglang.tools.measure import copy_bandwidth, resolve_device
+from mori_sglang.tools.workload import add_workload_args, workload_configs
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 

@@ -34,7 +34,7 @@ from mori_sglang.kernels import transport
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KERNELS = [
     "route_count_kernel",
     "route_kernel",

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from mori_sglang import bandwidth
+from mori_sglang.tools import bandwidth
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

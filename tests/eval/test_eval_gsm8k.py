@@ -24,7 +24,7 @@ from eval.gsm8k.client import Client, RequestFailed, RetryPolicy
 from eval.gsm8k.prompt import INVALID, STOP, few_shot_prefix, format_example, get_answer_value
 from eval.scripted_server import ScriptedServer, question_of
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 TEST_JSONL = GSM8K / "test.jsonl"
 LINES = data.read_jsonl(TEST_JSONL)
 
