@@ -17,6 +17,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import GSM8K_TEST_JSONL
 
 from eval.gsm8k import data
 from eval.gsm8k.__main__ import main
@@ -24,8 +25,7 @@ from eval.gsm8k.client import Client, RequestFailed, RetryPolicy
 from eval.gsm8k.prompt import INVALID, STOP, few_shot_prefix, format_example, get_answer_value
 from eval.scripted_server import ScriptedServer, question_of
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-TEST_JSONL = GSM8K / "test.jsonl"
+TEST_JSONL = GSM8K_TEST_JSONL
 LINES = data.read_jsonl(TEST_JSONL)
 
 
