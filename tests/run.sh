@@ -11,6 +11,11 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 triton==3.7.1
 .venv/bin/pip install -q -e '.[test]'
 .venv/bin/ruff check .
+# MoRI's wheel (MIT), read by tests/providers/test_mori_api.py: it does not install here, it is only parsed.
+export MORI_WHEEL_DIR="${MORI_WHEEL_DIR:-$XDG_CACHE_HOME/mori-sglang/amd-mori}"
+.venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.10 \
+    --platform manylinux_2_35_x86_64 amd-mori==1.2.4 -d "$MORI_WHEEL_DIR" ||
+    echo "amd-mori 1.2.4 not downloaded: tests/providers/test_mori_api.py will be skipped" >&2
 .venv/bin/python -m pytest -q tests --ignore=tests/integrations
 
 bash .ci/install-sglang.sh .venv-sglang

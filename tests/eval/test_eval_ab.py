@@ -20,9 +20,10 @@ from eval.ab.table import Row, markdown_table, payload_bytes_per_token
 from eval.gsm8k.data import read_jsonl
 from eval.gsm8k.prompt import get_answer_value
 from eval.scripted_server import ScriptedServer
+from tests.helpers import GSM8K_TEST_JSONL
 
 REPO = Path(__file__).resolve().parents[2]
-TEST_JSONL = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+TEST_JSONL = GSM8K_TEST_JSONL
 LINES = read_jsonl(TEST_JSONL)
 DTYPES = ("bf16", "fp8", "fp8_direct_cast")
 
