@@ -136,6 +136,7 @@ class MoriProvider:
 
     name = "mori"
     fused_quantization: frozenset[DispatchDtype] = frozenset()
+    keeps_old_handles = False  # MoRI's combine reads the state of the op's last dispatch
 
     def __init__(
         self,
@@ -175,7 +176,7 @@ class MoriProvider:
         # On a GPU the ids are checked on the device and a bad one raises at the next receive; on CPU
         # the op checks them before sending (a synchronisation costs nothing there).
         self.checks_ids_on_device = device.type == "cuda"
-        self._status = DeviceStatus(1, device)  # 1 + the largest expert id past the last expert
+        self._status = DeviceStatus(1, device)  # the largest expert id past the last expert, minus (num_experts - 1)
         self._ids: torch.Tensor | None = None
         self._dispatched: tuple | None = None
         self._combined: torch.Tensor | None = None
@@ -185,15 +186,16 @@ class MoriProvider:
         """Raise if a dispatch met an expert id past the last expert (those copies were dropped)."""
         (bad_id,) = self._status.read()
         if bad_id:
-            raise expert_id_error(bad_id - 1, self.config.num_experts, dropped=True)
+            raise expert_id_error(bad_id + self.config.num_experts - 1, self.config.num_experts, dropped=True)
 
     def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """int32 ids with those past the last expert dropped (-1) and flagged, all on the device."""
-        ids = ids.to(torch.int32)
+        """int32 ids with those past the last expert dropped (-1) and flagged, all on the device; every
+        negative id (int64 ones included) is -1. Compared before the cast, so that no id is truncated."""
         over = ids >= self.config.num_experts
-        flag = torch.where(over, ids + 1, 0).amax() if ids.numel() else self._status.flags[0]
+        past = ids.long() - (self.config.num_experts - 1)  # >= 1 for an id past the last expert, never overflows
+        flag = torch.where(over, past, 0).amax() if ids.numel() else self._status.flags[0]
         torch.maximum(self._status.flags[0], flag, out=self._status.flags[0])
-        return torch.where(over, -1, ids).contiguous()
+        return torch.where(over | (ids < 0), -1, ids).to(torch.int32).contiguous()
 
     # -- dispatch -----------------------------------------------------------------------------
 
