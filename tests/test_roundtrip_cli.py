@@ -136,7 +136,7 @@ def test_cpu_defaults() -> None:
     [
         (["--iters", "0"], "argument --iters: 0 is below 1"),
         (["--world", "0"], "argument --world/--world-size: 0 is below 1"),
-        (["--hidden", "100"], "hidden=100 is not a multiple of the fp8 dispatch block (128 elements)"),
+        (["--hidden", "7"], "hidden=7: fp4 dispatch packs two elements per byte, so hidden must be even"),
         (["--topk", "300"], "topk=300 must be in [1, num_experts=256]"),
         (["--world", "3"], "num_experts=256 must be a positive multiple of world_size=3"),
     ],
