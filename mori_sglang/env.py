@@ -242,10 +242,13 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
+# How each kind of variable is read (and checked); every EnvVar.kind has one.
+READERS = {"choice": get_choice, "bool": get_bool, "int": get_int, "seconds": get_seconds}
+
+
 def check(var: EnvVar, environ: Mapping[str, str] | None = None) -> None:
     """Raise EnvError where the variable holds a value the project does not accept."""
-    read = {"choice": get_choice, "bool": get_bool, "int": get_int}[var.kind]
-    read(var.name, environ)
+    READERS[var.kind](var.name, environ)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,3 +146,11 @@ def test_bad_arguments_are_usage_errors(flags: list[str], message: str, capsys: 
         roundtrip.parse_args(["--device", "cpu", "--provider", "torch", *flags])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"python -m mori_sglang.roundtrip: error: {message}"
+
+
+def test_a_size_only_the_torch_provider_moves_is_a_usage_error_for_triton(capsys: pytest.CaptureFixture[str]) -> None:
+    roundtrip.parse_args(["--device", "cpu", "--provider", "torch", "--hidden", "6"])
+    with pytest.raises(SystemExit) as exit_info:
+        roundtrip.parse_args(["--device", "cpu", "--provider", "triton", "--hidden", "6"])
+    assert exit_info.value.code == 2
+    assert "hidden=6: the triton provider moves fp8 tokens in 4-byte words" in capsys.readouterr().err
