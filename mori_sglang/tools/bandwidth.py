@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.testing
 
+from mori_sglang.cli import resolve_device
 from mori_sglang.kernels.probes import fan_out_kernel
 from mori_sglang.providers.triton_provider import INTERPRETER_PROGRAMS, multiprocessors
-from mori_sglang.tools.measure import copy_bandwidth, resolve_device, roofline_bytes, time_phases
+from mori_sglang.tools.measure import copy_bandwidth, roofline_bytes, time_phases
 
 # (warps, programs per SM): the dispatch send's shape and two wider ones.
 FAN_OUT_SHAPES = ((1, 32), (2, 16), (4, 8))

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from mori_sglang import formats
+from mori_sglang.cli import resolve_device
 from mori_sglang.config import EpConfig, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.routing import owning_destinations
-from mori_sglang.tools.measure import copy_bandwidth, identity_expert, resolve_device, time_phases
+from mori_sglang.tools.measure import copy_bandwidth, identity_expert, time_phases
 from mori_sglang.tools.workload import add_workload_args, speedup_cells, workload_configs
 
 if TYPE_CHECKING:

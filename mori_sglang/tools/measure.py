@@ -1,5 +1,6 @@
-"""What every benchmark command measures with: the device, synchronisation, phase timing, the copy
-roofline the benchmarks divide by, and the identity expert whose output a combine carries back."""
+"""What every benchmark command measures with: synchronisation, phase timing, the copy roofline the
+benchmarks divide by, and the identity expert whose output a combine carries back. (The device a
+command runs on is chosen by ``mori_sglang.cli.resolve_device``.)"""
 
 from __future__ import annotations
 
@@ -12,13 +13,6 @@ import torch
 from mori_sglang import formats
 from mori_sglang.config import DispatchDtype
 from mori_sglang.types import DispatchOutput
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is CUDA where it is available, else the CPU; anything else is a torch device name."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def sync(device: torch.device) -> None:

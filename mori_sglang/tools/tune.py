@@ -15,10 +15,11 @@ import dataclasses
 import json
 from collections.abc import Iterator
 
+from mori_sglang.cli import resolve_device
 from mori_sglang.config import Provider
 from mori_sglang.providers.triton_provider import KernelTuning
 from mori_sglang.tools.bench import Row, bench_one
-from mori_sglang.tools.measure import copy_bandwidth, resolve_device
+from mori_sglang.tools.measure import copy_bandwidth
 from mori_sglang.tools.workload import add_workload_args, workload_configs
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
