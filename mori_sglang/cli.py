@@ -17,7 +17,16 @@ from typing import NoReturn, TypeVar
 
 import torch
 
-from mori_sglang.config import COMBINE_ENV_VALUES, DISPATCH_ENV_VALUES, CombineDtype, ConfigError, DispatchDtype
+from mori_sglang import formats
+from mori_sglang.config import (
+    COMBINE_ENV_VALUES,
+    DISPATCH_ENV_VALUES,
+    CombineDtype,
+    ConfigError,
+    DispatchDtype,
+    EpConfig,
+    Provider,
+)
 from mori_sglang.env import EnvError
 from mori_sglang.formats import FormatError
 from mori_sglang.kernels.interpreter import InterpreterError
@@ -111,6 +120,22 @@ def resolve_device(name: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise SetupError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+def check_wire(config: EpConfig) -> None:
+    """What an op checks of its config when it is built (the formats' hidden-size rules, and the Triton
+    kernels' 4-byte words), for a command to refuse sizes while it parses its arguments. Call it after
+    choosing the interpreter: it imports the Triton provider for a triton config."""
+    layout = formats.DispatchRowLayout(
+        formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden),
+        formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden),
+        config.topk,
+    )
+    formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
+    if config.provider is Provider.TRITON:
+        from mori_sglang.providers.triton_provider import check_word_rows
+
+        check_word_rows(config, layout)
 
 
 def checked(parser: argparse.ArgumentParser, build: Callable[[], T]) -> T:
