@@ -9,6 +9,7 @@ Combine rows (expert output travelling back to its source):
   fp8_blockwise         [hidden x fp8 | n_blocks x f32]      scale = amax / fp8_max per block
   fp8_blockwise_native  same layout, native MoRI's scales    1.0 unless amax > fp8_max; sign of
                                                              scales[0] set when any block is scaled
+  (n_blocks = ceil(hidden / block): the last block may be short)
 Dispatch payloads (the sender quantizes once; the scale row is opaque to the transport):
   bf16   [hidden x bf16]
   fp8    [hidden x fp8]         + f32 per 128 elements   (scale row 4 * hidden / 128 B)
@@ -94,6 +95,14 @@ def _check_blocks(hidden: int, block: int, knob: str) -> int:
     return hidden // block
 
 
+def combine_blocks(hidden: int, block: int) -> int:
+    """Blocks of a blockwise combine row (the last one short where ``block`` does not divide ``hidden``);
+    the f32 scales follow the fp8 values, so ``hidden`` must be a multiple of 4."""
+    if hidden % 4:
+        raise FormatError(f"a blockwise fp8 combine row needs hidden ({hidden}) to be a multiple of 4")
+    return math.ceil(hidden / block)
+
+
 def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = 128) -> int:
     """Bytes one expert output occupies on the wire: 14336 (bf16), 7392 (blockwise), 7168 (cast) at 7168."""
     if dtype is CombineDtype.BF16:
@@ -101,14 +110,22 @@ def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = 128) -> int
     if dtype is CombineDtype.FP8_DIRECT_CAST:
         return hidden
     if dtype in (CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE):
-        return hidden + 4 * _check_blocks(hidden, block, "blockwise fp8 combine")
+        return hidden + 4 * combine_blocks(hidden, block)
     raise ConfigError(f"combine dtype {dtype.value} has no reference wire format; use bf16, fp8 or fp8_direct_cast")
 
 
-def _block_amax(y: torch.Tensor, block: int) -> torch.Tensor:
+def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``[R, hidden]`` -> f32 ``[R, n_blocks, block]``, zeros past ``hidden`` (they change no amax)."""
+    rows, hidden = x.shape
+    n_blocks = combine_blocks(hidden, block)
+    padded = torch.zeros(rows, n_blocks * block, dtype=torch.float32, device=x.device)
+    padded[:, :hidden] = x.float()
+    return padded.view(rows, n_blocks, block)
+
+
+def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     """Per-block max |y| in f32 with NaN counted as 0 (as native MoRI's bit-pattern max does)."""
-    a = y.float().abs().nan_to_num(nan=0.0)
-    return a.view(y.shape[0], y.shape[1] // block, block).amax(dim=2)
+    return blocks.abs().nan_to_num(nan=0.0).amax(dim=2)
 
 
 def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtype, block: int = 128) -> torch.Tensor:
@@ -118,11 +135,10 @@ def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtyp
         return y.to(torch.bfloat16).contiguous().view(torch.uint8)
     if dtype is CombineDtype.FP8_DIRECT_CAST:
         return saturating_fp8_cast(y, fp8_dtype).view(torch.uint8)
-    n_blocks = hidden // block
-    combine_row_bytes(dtype, hidden, block)  # validates the block
-    amax = _block_amax(y, block)
+    xf = _padded_blocks(y, block)
+    n_blocks = xf.shape[1]
+    amax = _block_amax(xf)
     limit = fp8_max(fp8_dtype)
-    xf = y.float().view(rows, n_blocks, block)
     if dtype is CombineDtype.FP8_BLOCKWISE:
         # Divide by a tensor, never a Python scalar: torch turns a scalar divisor into a multiply by its
         # reciprocal on GPUs (not on CPUs), which rounds differently from the kernels' true division.
@@ -138,7 +154,7 @@ def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtyp
         flag = scaled.any(dim=1)
         scales[:, 0] = torch.where(flag, -scales[:, 0], scales[:, 0])
     out = torch.empty(rows, hidden + 4 * n_blocks, dtype=torch.uint8, device=y.device)
-    out[:, :hidden] = q.view(rows, hidden).view(torch.uint8)
+    out[:, :hidden] = q.view(rows, n_blocks * block)[:, :hidden].view(torch.uint8)
     out[:, hidden:] = scales.contiguous().view(torch.uint8)
     return out
 
@@ -147,18 +163,17 @@ def dequantize_combine(
     rows: torch.Tensor, dtype: CombineDtype, hidden: int, fp8_dtype: torch.dtype, block: int = 128
 ) -> torch.Tensor:
     """Wire rows -> f32 ``[R, hidden]``, the values the receiver accumulates."""
-    n = rows.shape[0]
     if dtype is CombineDtype.BF16:
         return rows.contiguous().view(torch.bfloat16).float()
     q = rows[:, :hidden].contiguous().view(fp8_dtype).float()
     if dtype is CombineDtype.FP8_DIRECT_CAST:
         return q
-    n_blocks = hidden // block
+    n_blocks = combine_blocks(hidden, block)
     scales = rows[:, hidden : hidden + 4 * n_blocks].contiguous().view(torch.float32)
     if dtype is CombineDtype.FP8_BLOCKWISE_NATIVE:
         has_scales = scales[:, :1] < 0
         scales = torch.where(has_scales, scales.abs(), torch.ones_like(scales))
-    return (q.view(n, n_blocks, block) * scales[:, :, None]).view(n, hidden)
+    return q * scales.repeat_interleave(block, dim=1)[:, :hidden]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,14 @@ import torch
 from conftest import FP8_TYPES, fp8_error_bound, generator, make_tokens, needs_cuda
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, combine_block_from_scale_dim
+from mori_sglang.config import (
+    CombineDtype,
+    ConfigError,
+    DispatchDtype,
+    EpConfig,
+    combine_block_from_scale_dim,
+    default_combine_block,
+)
 from mori_sglang.formats import FormatError
 
 FLAVOURS = list(FP8_TYPES)
@@ -126,15 +133,31 @@ def test_row_sizes_at_4096() -> None:
     assert formats.dispatch_scale_bytes(DispatchDtype.MXFP4, 4096) == 128
 
 
-def test_hidden_not_a_block_multiple_is_an_error() -> None:
-    with pytest.raises(FormatError, match="hidden=200"):
-        formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 200)
+def test_hidden_not_a_group_multiple_is_an_error() -> None:
     with pytest.raises(FormatError, match="hidden=200"):
         formats.dispatch_scale_bytes(DispatchDtype.FP8, 200)
     with pytest.raises(FormatError, match="hidden=48"):
         formats.dispatch_scale_bytes(DispatchDtype.MXFP4, 48)
-    with pytest.raises(FormatError, match="hidden=7168"):
-        formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 7168, block=100)
+    with pytest.raises(FormatError, match=r"hidden \(202\) to be a multiple of 4"):
+        formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 202)
+
+
+def test_a_combine_block_that_does_not_divide_hidden_leaves_the_last_block_short() -> None:
+    assert formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 200) == 200 + 4 * 2
+    assert formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE_NATIVE, 4096, block=74) == 4096 + 4 * 56
+    y = torch.full((1, 200), 1000.0)
+    y[0, 128:] = 2000.0  # the short last block has its own scale
+    inv_max = float(torch.tensor(1.0) / torch.tensor(448.0))
+    expected = {
+        CombineDtype.FP8_BLOCKWISE: [f32_div(torch.tensor(v), 448.0).item() for v in (1000.0, 2000.0)],
+        CombineDtype.FP8_BLOCKWISE_NATIVE: [-f32_mul(torch.tensor(1000.0), inv_max).item(),
+                                            f32_mul(torch.tensor(2000.0), inv_max).item()],
+    }  # fmt: skip
+    for dtype, scales in expected.items():
+        wire = formats.quantize_combine(y, dtype, torch.float8_e4m3fn, 128)
+        assert wire.shape == (1, 208) and wire[:, 200:].contiguous().view(torch.float32).tolist() == [scales]
+        back = formats.dequantize_combine(wire, dtype, 200, torch.float8_e4m3fn, 128)
+        assert ((back - y).abs() <= y * 2.0**-4).all()
 
 
 def test_fp4_combine_has_no_reference_format() -> None:
@@ -142,11 +165,23 @@ def test_fp4_combine_has_no_reference_format() -> None:
         formats.combine_row_bytes(CombineDtype.FP4_BLOCKWISE, 7168)
 
 
-@pytest.mark.parametrize(
-    ("hidden", "dim", "block"), [(7168, None, 128), (7168, 56, 128), (4096, 56, 74), (7168, 64, 112)]
-)
-def test_combine_block_from_scale_dim_is_ceil(hidden: int, dim: int | None, block: int) -> None:
+@pytest.mark.parametrize(("hidden", "dim", "block"), [(7168, 56, 128), (4096, 56, 74), (7168, 64, 112)])
+def test_combine_block_from_scale_dim_is_ceil(hidden: int, dim: int, block: int) -> None:
     assert combine_block_from_scale_dim(hidden, dim) == block
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hidden", "block"),
+    [
+        (CombineDtype.FP8_BLOCKWISE_NATIVE, 7168, 128),  # MoRI's 56 scales per token
+        (CombineDtype.FP8_BLOCKWISE_NATIVE, 4096, 74),
+        (CombineDtype.FP8_BLOCKWISE, 4096, 128),  # ours
+        (CombineDtype.BF16, 4096, 128),
+    ],
+)
+def test_default_combine_block(dtype: CombineDtype, hidden: int, block: int) -> None:
+    assert default_combine_block(dtype, hidden) == block
+    assert EpConfig(8, 0, hidden, 256, 8, combine_dtype=dtype).combine_block == block
 
 
 def test_fp8_flavours() -> None:

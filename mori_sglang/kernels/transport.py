@@ -543,14 +543,14 @@ def _quantize_blocks(
     """Blocks [first_block, first_block + ITEM_BLOCKS) of one expert output row -> its combine wire row
     (the torch reference in formats.py, bit for bit). The native format's sign flag depends on the whole
     row, so it is quantized as one item."""
-    NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
+    NUM_BLOCKS: tl.constexpr = (HIDDEN + BLOCK - 1) // BLOCK  # the last block may be short
     cols = tl.arange(0, BLOCK_P2)
     any_scaled = tl.full((), 0, tl.int32)
     first_scale = tl.full((), 0.0, tl.float32)
     for b in tl.static_range(0, ITEM_BLOCKS, TILE_BLOCKS):
         blocks = first_block + b + tl.arange(0, TILE_BLOCKS)
         elem = blocks[:, None] * BLOCK + cols[None, :]
-        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
+        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :] & (elem < HIDDEN)
         x = tl.load(src + elem, mask=mask, other=0.0).to(tl.float32)
         if FORMAT == 0:
             tl.store(dst.to(tl.pointer_type(tl.bfloat16)) + elem, x.to(tl.bfloat16), mask=mask)
@@ -672,7 +672,7 @@ def combine_recv_kernel(
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W, WP)
-    NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
+    NUM_BLOCKS: tl.constexpr = (HIDDEN + BLOCK - 1) // BLOCK  # the last block may be short
     TILES: tl.constexpr = (NUM_BLOCKS + TILE_BLOCKS - 1) // TILE_BLOCKS
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
     cols = tl.arange(0, BLOCK_P2)
@@ -680,7 +680,7 @@ def combine_recv_kernel(
         n = item // TILES
         blocks = (item % TILES) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
         elem = blocks[:, None] * BLOCK + cols[None, :]
-        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
+        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :] & (elem < HIDDEN)
         acc = tl.zeros((TILE_BLOCKS, BLOCK_P2), dtype=tl.float32)
         for k in tl.static_range(K):
             slot = tl.load(slot_of_pair_ptr + n * K + k)

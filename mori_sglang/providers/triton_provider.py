@@ -400,7 +400,7 @@ class TritonProvider:
         self._ensure_peers()
         cfg = self.config
         meta = self._combine_meta(self.tuning.combine_send_tile)
-        num_blocks = cfg.hidden // cfg.combine_block
+        num_blocks = triton.cdiv(cfg.hidden, cfg.combine_block)
         # The native format's sign flag covers the whole row: one item per row.
         whole_row = cfg.combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE
         tile_blocks = meta["TILE_BLOCKS"]
@@ -443,7 +443,7 @@ class TritonProvider:
         else:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         meta = self._combine_meta(tile)
-        tiles = triton.cdiv(cfg.hidden // cfg.combine_block, meta["TILE_BLOCKS"])
+        tiles = triton.cdiv(triton.cdiv(cfg.hidden, cfg.combine_block), meta["TILE_BLOCKS"])
         transport.combine_recv_kernel[self._grid(tuning.combine_recv_programs_per_sm, handle.num_tokens * tiles)](
             self.arena.base,
             handle.slot_of_pair,
