@@ -14,6 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 BOOL_TRUE = ("1", "true", "yes", "on")
+# The most tokens one rank may dispatch per call: far above any serving batch, and small enough that
+# every row index of the buffers stays well inside int32.
+MAX_TOKENS_PER_RANK = 1 << 20
+DEFAULT_PEER_TIMEOUT_S = 120
 BOOL_FALSE = ("0", "false", "no", "off", "")
 
 
@@ -29,14 +33,19 @@ class EnvVar:
     default: str
     help: str
     choices: tuple[str, ...] | None = None
-    kind: str = "choice"  # choice | bool | int
+    kind: str = "choice"  # choice | bool | int | seconds
     minimum: int = 1  # the smallest integer accepted (kind int)
+    maximum: int | None = None  # the largest integer accepted (kind int), None: no bound
 
     def accepted(self) -> str:
         if self.kind == "bool":
             return "0/1 (true/false)"
         if self.kind == "int":
+            if self.maximum is not None:
+                return f"integer in [{self.minimum}, {self.maximum}]"
             return "integer > 0" if self.minimum == 1 else f"integer >= {self.minimum}"
+        if self.kind == "seconds":
+            return "number of seconds > 0"
         return " \\| ".join(self.choices or ())
 
 
@@ -80,6 +89,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Buffer capacity: the most tokens one rank may dispatch in one call. A larger batch is an error. "
         "SGLang only: under vLLM, --max-num-batched-tokens sets it.",
         kind="int",
+        maximum=MAX_TOKENS_PER_RANK,
     ),
     EnvVar(
         "SGLANG_MORI_SPLIT_DISPATCH_COMBINE",
@@ -137,6 +147,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Triton provider on NVIDIA sm_90+: 0 launches our kernels without programmatic dependent launch "
         "(the variable with which SGLang turns it off for FlashInfer's kernels).",
         kind="bool",
+    ),
+    EnvVar(
+        "SGLANG_MORI_PEER_TIMEOUT_S",
+        str(DEFAULT_PEER_TIMEOUT_S),
+        "How long a receive waits for a peer that never sends before it raises PeerTimeoutError naming "
+        "both ranks (wall-clock seconds; every provider and mode).",
+        kind="seconds",
     ),
     EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
@@ -197,7 +214,23 @@ def get_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     if number < var.minimum:
         accepted = "a positive integer" if var.minimum == 1 else f"an integer >= {var.minimum}"
         raise EnvError(f"{name}={number} must be {accepted}")
+    if var.maximum is not None and number > var.maximum:
+        raise EnvError(f"{name}={number} exceeds {var.maximum}, the largest value accepted")
     return number
+
+
+def get_seconds(name: str, environ: Mapping[str, str] | None = None) -> float:
+    """A positive, finite number of seconds."""
+    var = ENV_BY_NAME[name]
+    value = _raw(name, environ)
+    value = var.default if value is None or value == "" else value
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise EnvError(f"{name}={value!r} is not a number; use a number of seconds > 0") from None
+    if not 0 < seconds < float("inf"):
+        raise EnvError(f"{name}={value!r} must be a finite number of seconds > 0")
+    return seconds
 
 
 def markdown_table() -> str:
