@@ -84,6 +84,8 @@ def test_v1_kernel_type_as_sglang_picks_it(
         (Mode.SPLIT, 8, CombineDtype.BF16, {}, False),  # AsyncLL's split combine
         (Mode.INTRANODE, 8, CombineDtype.FP8_BLOCKWISE, {}, False),  # v1's blockwise format
         (Mode.INTRANODE, 8, CombineDtype.FP8_DIRECT_CAST, {}, False),
+        (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "32768"}, True),
+        (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "8192"}, False),  # a cap
     ],
 )
 def test_ep_v2_where_sglang_takes_it_and_v1_elsewhere(
@@ -93,6 +95,19 @@ def test_ep_v2_where_sglang_takes_it_and_v1_elsewhere(
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert uses_ep_v2(EpConfig(world, 0, 7168, 256, 8, mode=mode, combine_dtype=combine)) is v2
+
+
+ROW_CASES = [
+    (DispatchDtype.FP8, 2880, True),
+    (DispatchDtype.FP8, 200, False),  # 200 B tokens
+    (DispatchDtype.MXFP4, 2880, True),
+    (DispatchDtype.BF16, 196, False),
+]
+
+
+@pytest.mark.parametrize(("dispatch", "hidden", "v2"), ROW_CASES)
+def test_ep_v2_only_for_rows_of_whole_16_byte_pieces(dispatch: DispatchDtype, hidden: int, v2: bool) -> None:
+    assert uses_ep_v2(EpConfig(8, 0, hidden, 256, 8, dispatch_dtype=dispatch)) is v2
 
 
 @pytest.mark.parametrize(
