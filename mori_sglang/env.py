@@ -152,7 +152,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLANG_MORI_PEER_TIMEOUT_S",
         str(DEFAULT_PEER_TIMEOUT_S),
         "How long a receive waits for a peer that never sends before it raises PeerTimeoutError naming "
-        "both ranks (wall-clock seconds; every provider and mode).",
+        "both ranks (wall-clock seconds; Triton provider in every mode, torch provider over gloo; over NCCL the "
+        "process group's timeout applies).",
         kind="seconds",
     ),
     EnvVar(
