@@ -13,7 +13,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import interpreter_casts
 import pytest
 import torch
 from conftest import Scenario, check_step, run_gloo, run_step, world_inputs
@@ -21,6 +20,7 @@ from conftest import Scenario, check_step, run_gloo, run_step, world_inputs
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.env import EnvError
+from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import InputError, PeerTimeoutError
@@ -38,7 +38,7 @@ MODES = tuple(Mode)
 FP8 = torch.float8_e4m3fn
 
 if not ON_GPU:
-    interpreter_casts.install()
+    interpreter.install_exact_casts()
 
 
 def _world(scn: Scenario, provider: str, **overrides: object) -> LoopbackWorld:

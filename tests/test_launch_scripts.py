@@ -157,6 +157,9 @@ def test_help_lists_every_option(script: str) -> None:
             "--provider 'nccl' is not accepted; use one of: auto mori triton torch",
         ),
         (("--model", "M", "--bogus"), "unknown argument '--bogus'"),
+        (("--model", "M", "--port", "99999"), "--port '99999' is not a TCP port (1 to 65535)"),
+        (("--model", "M", "--port=0"), "--port '0' is not a TCP port (1 to 65535)"),
+        (("--model=",), "--model needs a value"),
     ],
 )
 def test_usage_errors(rng: random.Random, args: tuple[str, ...], message: str) -> None:
@@ -256,10 +259,91 @@ def test_h200_recipes_need_nvidia(script: str, model: Path, tmp_path: Path) -> N
     any(shutil.which(tool, path=SYSTEM_PATH) for tool in ("nvidia-smi", "amd-smi", "rocm-smi")),
     reason="this host has a GPU tool in the system PATH",
 )
-def test_no_gpu_tool(rng: random.Random, model: Path) -> None:
-    result = run(rng.choice(SCRIPTS), "--model", str(model), "--dry-run")
+def test_no_gpu_tool(rng: random.Random, model: Path, tmp_path: Path) -> None:
+    """A dry run works anywhere: it says the GPUs were not checked. A real launch needs a GPU tool."""
+    script = rng.choice(SCRIPTS)
+    result = run(script, "--model", str(model), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "# GPUs not checked: none of nvidia-smi, amd-smi or rocm-smi is on PATH" in result.stdout.splitlines()
+    exports, command = parse_dry_run(result.stdout)
+    assert tuple(exports) == MORI_ENV and str(model) in command
+    result = run(script, "--model", str(model), PYTHON="/bin/false")
     assert result.returncode == 1
     assert "error: no GPU tool found: none of nvidia-smi, amd-smi or rocm-smi is on PATH" in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_options_take_their_value_after_an_equals_sign(
+    rng: random.Random, script: str, model: Path, tmp_path: Path
+) -> None:
+    dtype, port = rng.choice(COMBINE), rng.randrange(1, 65536)
+    result = run(
+        script,
+        f"--model={model}",
+        f"--combine-dtype={dtype}",
+        f"--port={port}",
+        "--gpus=2",
+        "--dry-run",
+        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+    )
+    assert result.returncode == 0, result.stderr
+    exports, command = parse_dry_run(result.stdout)
+    assert exports["SGLANG_MORI_COMBINE_DTYPE"] == dtype
+    assert flag(command, "--port") == str(port) and str(model) in command
+
+
+@pytest.mark.parametrize(
+    ("script", "extra", "message"),
+    [
+        (
+            "sglang_h200_moe.sh",
+            ["--moe-a2a-backend", "deepep"],
+            "'-- --moe-a2a-backend deepep' contradicts the recipe, which runs --moe-a2a-backend mori; "
+            "this recipe does not change it",
+        ),
+        (
+            "sglang_deepseek_r1_mxfp4.sh",
+            ["--deepep-mode=normal"],
+            "'-- --deepep-mode=normal' contradicts the recipe, which runs --deepep-mode low_latency; "
+            "set it with the script's --mode option",
+        ),
+        (
+            "sglang_h200_moe.sh",
+            ["--tp", "4"],
+            "'-- --tp 4' contradicts the recipe, which runs --tp-size 8; set it with the script's --gpus option",
+        ),
+        (
+            "sglang_h200_moe.sh",
+            ["--mem-fraction-static", "0.8", "--port", "1"],
+            "'-- --port 1' contradicts the recipe, which runs --port 30000; set it with the script's --port option",
+        ),
+        (
+            "vllm_h200_moe.sh",
+            ["--all2all-backend", "deepep_low_latency"],
+            "'-- --all2all-backend deepep_low_latency' contradicts the recipe, which runs --all2all-backend "
+            "mori_high_throughput; set it with the script's --mode option",
+        ),
+        (
+            "vllm_deepseek_r1_mxfp4.sh",
+            ["-tp", "8"],
+            "'-- -tp 8' contradicts the recipe, which runs --tensor-parallel-size 1; this recipe does not change it",
+        ),
+        (
+            "vllm_h200_moe.sh",
+            ["--max-num-batched-tokens=8192"],
+            "'-- --max-num-batched-tokens=8192' contradicts the recipe, which runs --max-num-batched-tokens 4096; "
+            "set it with the script's --max-dispatch-tokens option",
+        ),
+    ],
+)
+def test_server_args_that_contradict_the_recipe_are_refused(
+    script: str, extra: list[str], message: str, model: Path, tmp_path: Path
+) -> None:
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    for dry_run in (["--dry-run"], []):
+        result = run(script, "--model", str(model), *dry_run, "--", *extra, bin_dir=bin_dir, PYTHON="/bin/false")
+        assert result.returncode == 2
+        assert result.stderr == f"error: {message}\n" and result.stdout == ""
 
 
 @pytest.mark.parametrize(("script", "module"), [("sglang_h200_moe.sh", "sglang"), ("vllm_h200_moe.sh", "vllm")])

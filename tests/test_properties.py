@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import interpreter_casts
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.types import InputError
 
@@ -42,7 +42,7 @@ TORCH_HIDDEN = (*TRITON_HIDDEN, 2, 50, 101, 130, 2880)
 POISON = 1.0e30  # expert output rows past the received ones: a read of one shows in the sum
 
 if not ON_GPU:
-    interpreter_casts.install()
+    interpreter.install_exact_casts()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The Triton provider against the torch provider: identical wire bytes and outputs, bit for bit.
 
 On a machine without a GPU the kernels run in Triton's interpreter on CPU tensors, with its float
-conversions made exact (see interpreter_casts.py); on a GPU the same tests run the compiled kernels.
+conversions made exact (mori_sglang.kernels.interpreter); on a GPU the same tests run the compiled kernels.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-import interpreter_casts
 import pytest
 import torch
 
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
 from mori_sglang.providers.triton_provider import PeerTimeoutError
@@ -30,7 +30,7 @@ TOPK = 8 if ON_GPU else 4
 MAX_TOKENS = 64 if ON_GPU else 6
 
 if not ON_GPU:
-    interpreter_casts.install()
+    interpreter.install_exact_casts()
 
 
 def _config(world: int = WORLD, hidden: int = HIDDEN, **overrides: object) -> EpConfig:
