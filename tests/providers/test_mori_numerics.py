@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import generator
-from tests.providers import mori_transliteration as mt
-
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, EpConfig
+from tests.helpers import generator
+from tests.providers import mori_transliteration as mt
 
 # The stand-in's numerics module alone (importing the stand-in as ``mori`` would shadow MoRI for the
 # rest of the session).
