@@ -4,6 +4,10 @@ The interpreter converts floats with its own bit manipulation, which truncates f
 fp8 ties up and mis-handles saturation and NaN. The GPU does these casts in hardware with round to
 nearest even, exactly as torch does; so the tests run the interpreter's conversions through torch,
 which lets a kernel's wire bytes be compared bit for bit with the torch reference.
+
+Its ``tl.dot`` multiplies bf16 operands as their raw 16-bit integers (bf16 is stored as uint16); the
+GPU multiplies the values. ``install`` also decodes bf16 (and fp8) operands to f32 first: every such
+value is exact in f32, so the product is what the tensor cores compute before accumulation order.
 """
 
 from __future__ import annotations
@@ -38,8 +42,25 @@ def _convert_float(input: np.ndarray, input_dtype: tl.dtype, output_dtype: tl.dt
     return converted.view(getattr(np, f"uint{out_bits}")).reshape(input.shape)
 
 
+def _operand_f32(handle) -> np.ndarray:
+    """A dot operand's values as f32 (exact for bf16, fp16 and fp8; f32 unchanged)."""
+    dtype = handle.dtype.scalar
+    if dtype.is_floating() and dtype.primitive_bitwidth < 32:
+        return _convert_float(handle.data, dtype, tl.float32, None).view(np.float32)
+    return handle.data
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """Drop-in for ``InterpreterBuilder.create_dot``: the product of the operands' values."""
+    from triton.runtime.interpreter import TensorHandle
+
+    product = np.matmul(_operand_f32(a), _operand_f32(b), dtype=np.float32).astype(d.data.dtype)
+    return TensorHandle(product + d.data, d.dtype.scalar)
+
+
 def install() -> None:
-    """Route the interpreter's float conversions through torch (idempotent)."""
+    """Route the interpreter's float conversions and dot operands through torch (idempotent)."""
     from triton.runtime import interpreter
 
     interpreter._convert_float = _convert_float
+    interpreter.InterpreterBuilder.create_dot = _create_dot
