@@ -14,6 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 BOOL_TRUE = ("1", "true", "yes", "on")
+# The most tokens one rank may dispatch per call: far above any serving batch, and small enough that
+# every row index of the buffers stays well inside int32.
+MAX_TOKENS_PER_RANK = 1 << 20
+DEFAULT_PEER_TIMEOUT_S = 120
 BOOL_FALSE = ("0", "false", "no", "off", "")
 
 
@@ -29,13 +33,19 @@ class EnvVar:
     default: str
     help: str
     choices: tuple[str, ...] | None = None
-    kind: str = "choice"  # choice | bool | int
+    kind: str = "choice"  # choice | bool | int | seconds
+    minimum: int = 1  # the smallest integer accepted (kind int)
+    maximum: int | None = None  # the largest integer accepted (kind int), None: no bound
 
     def accepted(self) -> str:
         if self.kind == "bool":
             return "0/1 (true/false)"
         if self.kind == "int":
-            return "integer > 0"
+            if self.maximum is not None:
+                return f"integer in [{self.minimum}, {self.maximum}]"
+            return "integer > 0" if self.minimum == 1 else f"integer >= {self.minimum}"
+        if self.kind == "seconds":
+            return "number of seconds > 0"
         return " \\| ".join(self.choices or ())
 
 
@@ -79,6 +89,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Buffer capacity: the most tokens one rank may dispatch in one call. A larger batch is an error. "
         "SGLang only: under vLLM, --max-num-batched-tokens sets it.",
         kind="int",
+        maximum=MAX_TOKENS_PER_RANK,
     ),
     EnvVar(
         "SGLANG_MORI_SPLIT_DISPATCH_COMBINE",
@@ -93,6 +104,30 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "torch (torch.distributed all_to_all). auto: mori on a GPU where `import mori` works, else triton on "
         "a GPU, else torch.",
         ("auto", "mori", "triton", "torch"),
+    ),
+    EnvVar(
+        "SGLANG_MORI_EP_V2",
+        "1",
+        "Native MoRI only: 1 runs the intranode mode with a bf16 combine within one host on MoRI's EP v2 "
+        "(mori.ops.dispatch_combine_v2, its hip backend); the low-latency and split modes (AsyncLL), "
+        "quantized combines and groups across hosts stay on v1. 0: v1 everywhere. SGLang sets it to 0 "
+        "where its own EP v2 checks fail.",
+        kind="bool",
+    ),
+    EnvVar(
+        "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD",
+        "256",
+        "Native MoRI across hosts: InterNodeV1LL when SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK is at "
+        "most this, else InterNodeV1 (SGLang's rule).",
+        kind="int",
+    ),
+    EnvVar(
+        "SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS",
+        "0",
+        "Native MoRI only: cap on the tokens one rank receives per call (MoRI's max_total_recv_tokens; "
+        "0: every rank may send its whole buffer). EP v2's hip backend refuses a cap below that.",
+        kind="int",
+        minimum=0,
     ),
     EnvVar(
         "SGLANG_MORI_FP8_TYPE",
@@ -114,9 +149,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         kind="bool",
     ),
     EnvVar(
+        "SGLANG_MORI_PEER_TIMEOUT_S",
+        str(DEFAULT_PEER_TIMEOUT_S),
+        "How long a receive waits for a peer that never sends before it raises PeerTimeoutError naming "
+        "both ranks (wall-clock seconds; every provider and mode).",
+        kind="seconds",
+    ),
+    EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
         "",
-        "Scales per token for blockwise fp8 combine; the block is ceil(hidden / value). Unset: blocks of 128 elements.",
+        "Scales per token of MoRI's blockwise fp8 combine; the block is ceil(hidden / value). On native MoRI "
+        "(which reads it itself) unset means 56; our providers' fp8_blockwise_native then uses blocks of 128.",
         kind="int",
     ),
 )
@@ -166,10 +209,27 @@ def get_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     try:
         number = int(value)
     except ValueError:
-        raise EnvError(f"{name}={value!r} is not an integer; use a positive integer") from None
-    if number <= 0:
-        raise EnvError(f"{name}={number} must be a positive integer")
+        raise EnvError(f"{name}={value!r} is not an integer; use {var.accepted()}") from None
+    if number < var.minimum:
+        accepted = "a positive integer" if var.minimum == 1 else f"an integer >= {var.minimum}"
+        raise EnvError(f"{name}={number} must be {accepted}")
+    if var.maximum is not None and number > var.maximum:
+        raise EnvError(f"{name}={number} exceeds {var.maximum}, the largest value accepted")
     return number
+
+
+def get_seconds(name: str, environ: Mapping[str, str] | None = None) -> float:
+    """A positive, finite number of seconds."""
+    var = ENV_BY_NAME[name]
+    value = _raw(name, environ)
+    value = var.default if value is None or value == "" else value
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise EnvError(f"{name}={value!r} is not a number; use a number of seconds > 0") from None
+    if not 0 < seconds < float("inf"):
+        raise EnvError(f"{name}={value!r} must be a finite number of seconds > 0")
+    return seconds
 
 
 def markdown_table() -> str:

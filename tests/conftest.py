@@ -39,6 +39,8 @@ TAG_BYTES = 4
 FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 ROUTINGS = ("random", "round_robin", "spread", "all_to_one", "dropped")
 INPUTS = ("normal", "lognormal", "outliers")
+# 65 GSM8K test problems (MIT, see tests/data/gsm8k/LICENSE), one of them with a negative answer.
+GSM8K_TEST_JSONL = Path(__file__).with_name("data") / "gsm8k" / "test.jsonl"
 
 
 def pytest_report_header() -> str:
@@ -445,12 +447,15 @@ def combine_scale_per_element(
     limit = formats.fp8_max(fp8_dtype)
     if combine is CombineDtype.FP8_DIRECT_CAST:
         return torch.ones_like(x)
-    amax = x.abs().view(x.shape[0], x.shape[1] // block, block).amax(dim=2, keepdim=True)
+    rows, hidden = x.shape
+    blocks = formats.num_blocks(hidden, block)
+    padded = torch.nn.functional.pad(x.abs(), (0, blocks * block - hidden))  # a partial last block
+    amax = padded.view(rows, blocks, block).amax(dim=2, keepdim=True)
     if combine is CombineDtype.FP8_BLOCKWISE:
         scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
     else:
         scale = torch.where(amax > limit, amax / limit, torch.ones_like(amax))
-    return scale.expand(-1, -1, block).reshape(x.shape)
+    return scale.expand(-1, -1, block).reshape(rows, blocks * block)[:, :hidden]
 
 
 def check_combine_bound(scn: Scenario, inp: RankInputs, combined: torch.Tensor) -> None:
