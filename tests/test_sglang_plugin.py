@@ -47,7 +47,7 @@ from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins
 from sglang.srt.runtime_context import get_flags, get_forward, get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from mori_sglang import formats  # noqa: E402
+from mori_sglang import env, formats  # noqa: E402
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode  # noqa: E402
 from mori_sglang.env import EnvError  # noqa: E402
 from mori_sglang.integrations.sglang import plugin  # noqa: E402
@@ -292,6 +292,17 @@ def test_bad_env_value_fails_at_construction_naming_the_variable(
     with pytest.raises(EnvError, match=name):
         make_dispatcher(tp)
     with pytest.raises(EnvError, match=name):
+        plugin.check_mori_env()
+
+
+BAD_VALUE_OF_KIND = {"bool": "maybe", "int": "4k", "choice": "nonsense", "seconds": "soon"}
+
+
+@pytest.mark.parametrize("var", env.ENV_VARS, ids=lambda v: v.name)
+def test_launch_check_parses_every_variable(clean_env: pytest.MonkeyPatch, var) -> None:
+    """Every variable mori-sglang reads, of every kind, is parsed at launch."""
+    clean_env.setenv(var.name, BAD_VALUE_OF_KIND[var.kind])
+    with pytest.raises(EnvError, match=var.name):
         plugin.check_mori_env()
 
 

@@ -35,6 +35,7 @@ _READERS: dict[str, Callable[[str, Mapping[str, str] | None], object]] = {
     "bool": env.get_bool,
     "int": env.get_int,
     "choice": env.get_choice,
+    "seconds": env.get_seconds,
 }
 
 
