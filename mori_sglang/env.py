@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -152,7 +153,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLANG_MORI_PEER_TIMEOUT_S",
         str(DEFAULT_PEER_TIMEOUT_S),
         "How long a receive waits for a peer that never sends before it raises PeerTimeoutError naming "
-        "both ranks (wall-clock seconds; every provider and mode).",
+        "both ranks (wall-clock seconds; Triton provider in every mode, torch provider over gloo; over NCCL the "
+        "process group's timeout applies).",
         kind="seconds",
     ),
     EnvVar(
@@ -241,16 +243,37 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# How each kind of variable is read (and checked); every EnvVar.kind has one.
+READERS = {"choice": get_choice, "bool": get_bool, "int": get_int, "seconds": get_seconds}
+
+
+def check(var: EnvVar, environ: Mapping[str, str] | None = None) -> None:
+    """Raise EnvError where the variable holds a value the project does not accept."""
+    READERS[var.kind](var.name, environ)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print every variable as the project reads it (its value, or the default), after checking it."""
+    parser = argparse.ArgumentParser(prog="python -m mori_sglang.env", description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the README table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.markdown:
         print(markdown_table())
-    else:
-        for var in ENV_VARS:
-            print(f"{var.name}={os.environ.get(var.name, var.default)}")
+        return 0
+    errors = []
+    for var in ENV_VARS:
+        try:
+            check(var)
+        except EnvError as e:
+            errors.append(str(e))
+    if errors:
+        for error in errors:
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    for var in ENV_VARS:
+        print(f"{var.name}={os.environ.get(var.name, var.default)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -22,7 +21,7 @@ import triton.language as tl
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
-from mori_sglang.kernels import transport
+from mori_sglang.kernels import interpreter, transport
 from mori_sglang.providers.arena import Arena, ArenaLayout
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.types import (
@@ -137,7 +136,7 @@ def check_word_rows(config: EpConfig, layout: formats.DispatchRowLayout) -> None
 
 def clock_kind(device: torch.device) -> int:
     """Which clock the receive kernels' deadline reads (transport.CLOCK_*)."""
-    if device.type == "cpu" or _interpreting():
+    if device.type == "cpu" or interpreter.interpreting():
         return transport.CLOCK_HOST
     return transport.CLOCK_HIP if torch.version.hip else transport.CLOCK_CUDA
 
@@ -162,8 +161,13 @@ class TritonProvider:
         programs: int | None = None,
         tuning: KernelTuning | None = None,
     ) -> None:
-        if device.type == "cpu" and not _interpreting():
-            raise RuntimeError("the triton provider on CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        if device.type == "cpu":
+            if not interpreter.interpreting():
+                raise ConfigError(
+                    "the triton provider on a CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1, "
+                    "or use the torch provider (SGLANG_MORI_BACKEND=torch)"
+                )
+            interpreter.install_exact_casts()
         check_word_rows(config, layout)
         self.config = config
         self.device = device
@@ -511,10 +515,6 @@ class TritonProvider:
         return out
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # The first CUDA whose graphs keep programmatic launch edges (the ops are captured in CUDA graphs).
 PROGRAMMATIC_LAUNCH_CUDA = (12, 3)
 
@@ -523,7 +523,7 @@ def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels may launch before the one they follow ends (programmatic dependent launch):
     NVIDIA GPUs from Hopper (sm_90) on, outside the interpreter, where both torch's CUDA and the
     driver (which makes the launches and the graphs) are 12.3 or later, unless TRTLLM_ENABLE_PDL=0."""
-    if device.type != "cuda" or torch.version.cuda is None or _interpreting():
+    if device.type != "cuda" or torch.version.cuda is None or interpreter.interpreting():
         return False
     if not env.get_bool("TRTLLM_ENABLE_PDL"):
         return False
