@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from mori_sglang import formats
+from mori_sglang.config import CombineDtype, EpConfig
 from tests.helpers import generator
 from tests.providers import mori_transliteration as mt
 
@@ -144,3 +146,22 @@ def test_the_fused_multiply_add_rounds_once() -> None:
     fused = _numerics._fma_f32(torch.tensor([a]), torch.tensor([b]), torch.tensor([c]))
     assert float(fused[0]) == float(exact) == 1 + 2**-23
     assert float(np.float32(np.float32(a * b) + c)) == 1.0
+
+
+@pytest.mark.parametrize("hidden", [256, 4096, 7168])
+@pytest.mark.parametrize(("fp8", "fmt"), FORMATS)
+def test_our_fp8_blockwise_native_is_moris_format(fp8: torch.dtype, fmt: mt.Fp8Format, hidden: int, seed: int) -> None:
+    """At its default block (ceil(hidden / 56)) our reference of MoRI's format writes MoRI's fp8 values
+    and scales, also where the blocks do not divide hidden (MoRI's trailing empty blocks carry a 1.0)."""
+    gen = generator(seed, hidden)
+    y = (torch.randn(3, hidden, generator=gen) * torch.tensor([1.0, 100.0, 1e-3])[:, None]).to(torch.bfloat16)
+    block = EpConfig(8, 0, hidden, 256, 8, combine_dtype=CombineDtype.FP8_BLOCKWISE_NATIVE).combine_block
+    wire = formats.quantize_combine(y, CombineDtype.FP8_BLOCKWISE_NATIVE, fp8, block)
+    q, scales = _numerics.quantize_blockwise(y, fp8, _numerics.DEFAULT_SCALE_DIM)
+    ours = wire[:, hidden:].contiguous().view(torch.float32)
+    assert torch.equal(wire[:, :hidden], q.view(torch.uint8))
+    assert torch.equal(ours.view(torch.int32), scales[:, : ours.shape[1]].view(torch.int32))
+    assert (scales[:, ours.shape[1] :].abs() == 1.0).all()
+    back = formats.dequantize_combine(wire, CombineDtype.FP8_BLOCKWISE_NATIVE, hidden, fp8, block)
+    moris = _numerics.accumulate(torch.zeros(y.shape), q, scales, hidden)
+    assert torch.equal(back, moris)
