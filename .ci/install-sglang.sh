@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install stock SGLang 0.5.23 and mori-sglang into a virtual environment, enough to run the SGLang plugin
-# tests (tests/test_sglang_plugin.py) on a CPU-only machine.
+# tests (tests/integrations/sglang: the plugin, and SGLang's own MoE layer on its Triton runner in
+# Triton's interpreter) on a CPU-only machine.
 #
 #   .ci/install-sglang.sh VENV
 #
@@ -9,7 +10,7 @@
 # packages that lets SGLang's MoE dispatcher modules, plugin loader, MoE factory and launch-time
 # argument resolution import, all with --no-deps, then mori-sglang itself (editable, --no-deps) so its
 # entry point in the group sglang.srt.plugins is registered. The tests call
-# mori_sglang.integrations.sglang.cpu_import before importing SGLang (torchvision stand-in, temporary
+# tests/integrations/sglang/cpu_import.py before importing SGLang (torchvision stand-in, temporary
 # SGLANG_CACHE_DIR); the final check here does the same.
 #
 # Idempotent: a stamp in the venv records this script's hash; a re-run with the same script and a venv
@@ -26,14 +27,15 @@ stamp="$venv/.mori-sglang-sglang-install"
 script_hash=$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)
 
 check() {
-    "$venv/bin/python" - <<'EOF'
-from mori_sglang.integrations.sglang.cpu_import import prepare_sglang_cpu_import
+    PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" - <<'EOF'
+from tests.integrations.sglang.cpu_import import prepare_sglang_cpu_import
 
 prepare_sglang_cpu_import()
 from importlib.metadata import entry_points
 
 import sglang.srt.arg_groups.moe_hook  # noqa: F401  launch-time resolution
 import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401  the MoE dispatcher factory
+import sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe  # noqa: F401  the Triton experts
 import sglang.srt.layers.moe.token_dispatcher.moriep  # noqa: F401
 import sglang.srt.plugins  # noqa: F401
 
