@@ -95,7 +95,8 @@ def test_dry_run_prints_the_recipe(rng: random.Random, script: str, model: Path,
     )
     assert result.returncode == 0, result.stderr
     exports, command = parse_dry_run(result.stdout)
-    assert tuple(exports) == MORI_ENV
+    h200_sglang = script == "sglang_h200_moe.sh"
+    assert tuple(exports) == MORI_ENV + (("SGLANG_MORI_RECV_BOUND",) if h200_sglang else ())
     assert exports["NCCL_NVLS_ENABLE"] == "0" and exports["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert exports["SGLANG_MORI_COMBINE_DTYPE"] == dtype
     assert exports["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] == ("1" if "deepseek" in script else "0")
@@ -110,6 +111,12 @@ def test_dry_run_prints_the_recipe(rng: random.Random, script: str, model: Path,
         assert "--enable-dp-attention" in command
         assert flag(command, "--random-seed") == str(server_seed)
         assert flag(command, "--deepep-mode") == ("low_latency" if "deepseek" in script else "auto")
+        if h200_sglang:
+            # On NVIDIA the experts run on SGLang's Triton runner, over the rows the bound admits.
+            assert flag(command, "--moe-runner-backend") == "triton"
+            assert exports["SGLANG_MORI_RECV_BOUND"] == "1"
+        else:
+            assert "--moe-runner-backend" not in command
     else:
         assert command[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
         assert flag(command, "--data-parallel-size") == "8" and flag(command, "--tensor-parallel-size") == "1"
