@@ -282,6 +282,8 @@ CASES = (
     Case(Mode.LOW_LATENCY, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "AsyncLL"),
     Case(Mode.LOW_LATENCY, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE, 384, "AsyncLL", scale_dim=3),
     Case(Mode.SPLIT, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE_NATIVE, 256, "AsyncLL"),
+    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.BF16, 2880, "v2"),  # a partial last fp8 group
+    Case(Mode.LOW_LATENCY, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE, 2880, "AsyncLL"),  # blocks of 52
 )
 ARCHES = ("gfx942", "gfx950")
 
