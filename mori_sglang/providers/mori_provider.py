@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mori_sglang import env
+from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.providers.base import (
     ALL_DISPATCH,
