@@ -19,7 +19,7 @@ FP8_BLOCK = 128
 # Elements per e8m0 scale byte of the MX formats (OCP Microscaling).
 MX_GROUP = 32
 # Native MoRI's blockwise fp8 combine: scales per token where MORI_FP8_COMBINE_SCALE_DIM is unset.
-MORI_COMBINE_SCALES = 56
+NATIVE_COMBINE_SCALES = 56
 
 # The dispatch send kernel's QUANT codes: how it turns bf16 tokens into wire tokens.
 QUANT_NONE = 0  # the payload travels as given
@@ -97,7 +97,7 @@ COMBINE_FORMATS: tuple[CombineFormat, ...] = (
         None,
         8,
         0,
-        MORI_COMBINE_SCALES,
+        NATIVE_COMBINE_SCALES,
         COMBINE_FP8_BLOCKWISE_NATIVE,
         "fp8_blockwise",
         OP_FP8,
