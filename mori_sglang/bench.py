@@ -7,6 +7,10 @@ Every rank's buffers sit on one device, so the numbers measure the kernels' memo
 the device's own copy bandwidth (measured in the same run), and the torch provider runs the same
 steps beside them as the baseline. Bandwidth follows MoRI's accounting: received rows x row bytes.
 On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test).
+
+``--eager`` also launches every phase from Python, as a server without CUDA graphs does, and reports per
+rank and phase the host time of the calls, the device time of what they queued and the launches they
+made (``EagerRow``), next to the graph numbers.
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ class Row:
     combine_send_pct: float
     combine_recv_pct: float
     round_trip_pct: float
+    eager: EagerRow | None = None  # with --eager
+
+
+PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+@dataclass
+class EagerRow:
+    """One step launched from Python, per rank (the loopback world's phase over its ranks), median of the
+    iterations. ``host_us``: the calls' own time, with the device kept busy so that nothing waits for it;
+    ``device_us``: from the first to the last device operation the calls queued (None on CPU);
+    ``launches``: device operations (kernels, copies, fills) per call, from the profiler (None on CPU);
+    ``d2h_copies``: device-to-host copies per step; ``graph_us``: the same phases replayed from a graph."""
+
+    host_us: list[float]
+    device_us: list[float] | None
+    launches: list[float] | None
+    d2h_copies: float | None
+    graph_us: list[float] | None
+    device_kept_busy: bool  # every host measurement ended before the device reached the calls' work
 
 
 def roofline_bytes(device: torch.device) -> int:
@@ -94,6 +118,74 @@ def time_phases(phases: list[Callable[[], object]], device: torch.device, iters:
     return out
 
 
+def time_eager(
+    phases: list[Callable[[], object]], device: torch.device, iters: int
+) -> tuple[list[list[float]], list[list[float]] | None, bool]:
+    """Host seconds of each phase's calls and, on a GPU, device seconds of the work they queued, per
+    iteration. On a GPU a sleep kernel runs ahead of each phase, longer than its calls take, so the host
+    time holds no wait for the device (a synchronisation in a call would show as the whole sleep) and the
+    device time no gap for the host. The third value: whether the sleep outlasted the calls every time."""
+    host: list[list[float]] = [[] for _ in phases]
+    dev: list[list[float]] | None = [[] for _ in phases] if device.type == "cuda" else None
+    busy = True
+    if dev is None:
+        for _ in range(iters):
+            for i, phase in enumerate(phases):
+                t0 = time.perf_counter()
+                phase()
+                host[i].append(time.perf_counter() - t0)
+        return host, None, busy
+    cycles_per_s = _sleep_rate(device)
+    sleeps = []
+    for phase in phases:  # each phase's sleep: three times its calls' time, with at most 30 ms
+        t0 = time.perf_counter()
+        phase()
+        sleeps.append(int(cycles_per_s * min(3 * (time.perf_counter() - t0) + 1e-3, 30e-3)))
+        _sync(device)
+    for _ in range(iters):
+        for i, phase in enumerate(phases):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(sleeps[i])
+            start.record()
+            t0 = time.perf_counter()
+            phase()
+            t1 = time.perf_counter()
+            end.record()
+            busy = busy and not start.query()
+            end.synchronize()
+            host[i].append(t1 - t0)
+            dev[i].append(start.elapsed_time(end) / 1e3)
+    return host, dev, busy
+
+
+def _sleep_rate(device: torch.device) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` on this device."""
+    cycles = 10_000_000
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+def count_launches(phase: Callable[[], object], device: torch.device) -> tuple[int, int] | None:
+    """(device operations, of which device-to-host copies) one run of ``phase`` queues, from torch's
+    profiler; None on CPU, where nothing launches."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        phase()
+        _sync(device)
+    ops = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(ops), sum("DtoH" in name for name in ops)
+
+
 def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     xs, weights, ids = [], [], []
@@ -112,8 +204,10 @@ def bench_one(
     graph: bool,
     copy_gbs: float,
     tuning: KernelTuning | None = None,
+    eager: bool = False,
 ) -> tuple[Row, int]:
-    """``tuning``: the Triton provider's kernel tuning to measure (default: its defaults)."""
+    """``tuning``: the Triton provider's kernel tuning to measure (default: its defaults); ``eager``: also
+    time the phases launched from Python (``Row.eager``)."""
     world = LoopbackWorld(cfg, device)
     if tuning is not None:
         for op in world.ops:
@@ -144,18 +238,41 @@ def bench_one(
         for r, op in enumerate(ops):
             results[r] = op.combine_recv()
 
-    phases = [dispatch_send, dispatch_recv, combine_send, combine_recv]
-    for phase in phases[2:]:
+    eager_phases = [dispatch_send, dispatch_recv, combine_send, combine_recv]
+    for phase in eager_phases[2:]:
         phase()
-    if graph and device.type == "cuda":
-        phases = [_capture(p, device) for p in phases]
+    graphed = graph and device.type == "cuda"
+    phases = [_capture(p, device) for p in eager_phases] if graphed else eager_phases
     for phase in phases:  # warm-up
         phase()
     times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
     recv_rows = sum(int(o.num_recv.item()) for o in outs)
     pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in ids)
     assert recv_rows == pairs, (recv_rows, pairs)
-    return _row(cfg, tokens, times, recv_rows, world.ops[0], copy_gbs), recv_rows
+    row = _row(cfg, tokens, times, recv_rows, world.ops[0], copy_gbs)
+    if eager:
+        row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
+        assert sum(int(o.num_recv.item()) for o in outs) == pairs
+    return row, recv_rows
+
+
+def _eager_row(
+    phases: list[Callable[[], None]], device: torch.device, iters: int, world: int, graph_us: list[float] | None
+) -> EagerRow:
+    """Eager timings and launch counts of the four phases, per rank."""
+    for phase in phases:  # warm-up, also of whatever the calls cache
+        phase()
+    host, dev, busy = time_eager(phases, device, iters)
+    counts = [count_launches(p, device) for p in phases]
+    per_rank = [statistics.median(t) * 1e6 / world for t in host]
+    return EagerRow(
+        host_us=per_rank,
+        device_us=[statistics.median(t) * 1e6 / world for t in dev] if dev is not None else None,
+        launches=[c[0] / world for c in counts] if counts[0] is not None else None,
+        d2h_copies=sum(c[1] for c in counts) / world if counts[0] is not None else None,
+        graph_us=[t / world for t in graph_us] if graph_us is not None else None,
+        device_kept_busy=busy,
+    )
 
 
 def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -242,6 +359,35 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
     return "\n".join(lines)
 
 
+def eager_markdown(rows: list[Row]) -> str:
+    """The eager table: per rank, host µs, device µs and launches per call, by phase, and the graph's µs."""
+
+    def cells(values: list[float] | None, fmt: str) -> str:
+        if values is None:
+            return " | ".join("-" for _ in range(len(PHASES) + 1))
+        return " | ".join(format(v, fmt) for v in [*values, sum(values)])
+
+    short = "ds | dr | cs | cr | sum"
+    lines = [
+        "eager steps, per rank (ds/dr/cs/cr: dispatch send/recv, combine send/recv; median of the iterations)",
+        "",
+        f"| provider | mode | tokens/rank | dispatch | combine | host µs: {short} | device µs: {short} | "
+        f"graph µs: {short} | launches: {short} | D2H copies | device kept busy |",
+        "| --- | --- | ---: | --- | --- |" + " ---: |" * 21 + " --- |",
+    ]
+    for r in rows:
+        e = r.eager
+        if e is None:
+            continue
+        d2h = "-" if e.d2h_copies is None else f"{e.d2h_copies:g}"
+        lines.append(
+            f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
+            f"{cells(e.host_us, '.1f')} | {cells(e.device_us, '.1f')} | {cells(e.graph_us, '.1f')} | "
+            f"{cells(e.launches, 'g')} | {d2h} | {'yes' if e.device_kept_busy else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(rows: list[Row], path: str) -> None:
     import matplotlib
 
@@ -318,6 +464,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--provider", default="triton", choices=["triton", "torch"])
     parser.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
+    parser.add_argument(
+        "--eager", action="store_true", help="also report host µs, device µs and launches of eager steps per rank"
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--plot", help="write a bar chart (PNG) here")
@@ -328,16 +477,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     baseline: dict[tuple, Row] = {}
     for cfg, tokens in workload_configs(args, args.world, 0, Provider(args.provider)):
-        row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw)
+        row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw, eager=args.eager)
         rows.append(row)
         if not args.no_baseline and args.provider != "torch":
             base_cfg = replace(cfg, provider=Provider.TORCH)
-            base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw)
+            base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw, eager=args.eager)
             baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
             rows.append(base)
     if args.max_tokens_per_rank:
         print(f"buffers sized for {args.max_tokens_per_rank} tokens per rank")
     print(markdown(rows, baseline, bw))
+    if args.eager:
+        print()
+        print(eager_markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": bw, "device": str(device), "rows": [asdict(r) for r in rows]}, f, indent=1)
