@@ -2,8 +2,10 @@
 
 Both modes use fixed per-source slots, so a send never waits for a count exchange: intranode mode
 is the send and the receive back to back, low-latency mode returns after the send. Outputs live in
-buffers owned by the op and are overwritten by the next call, as with native MoRI; nothing allocates
-or synchronises with the host on the hot path, so the calls can be captured in a CUDA graph.
+buffers owned by the op and are overwritten by the next call, as with native MoRI; nothing allocates,
+converts or synchronises with the host on the hot path, so the calls can be captured in a CUDA graph.
+Each kernel launch is bound once per batch size (``BoundLaunch``): a step re-launches with the least
+Python, and runs no torch operation at all for inputs in the documented layout.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -23,8 +26,9 @@ from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import transport
+from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.providers.arena import Arena, ArenaLayout
-from mori_sglang.providers.device_status import DeviceStatus
+from mori_sglang.providers.device_status import MappedStatus
 from mori_sglang.types import CombineHandle, DispatchOutput, expert_id_error
 
 COMBINE_FORMAT = {
@@ -141,8 +145,8 @@ class TritonProvider:
         self.config = config
         self.device = device
         self.fp8_dtype = fp8_dtype
-        self.max_spins = max_spins
-        self.tuning = tuning or KernelTuning()
+        self._max_spins = max_spins
+        self._tuning = tuning or KernelTuning()
         self._programs = programs
         self._sms = multiprocessors(device)
         # Every launch takes these: the kernels' PDL switch and the launch option go together (transport docs).
@@ -165,7 +169,7 @@ class TritonProvider:
         # Per send kernel: work done so far in the running launch, back to 0 at its end.
         self._tickets = torch.zeros(len(TICKETS), dtype=torch.int32, device=device)
         # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
-        self._status = DeviceStatus(2, device)
+        self._status = MappedStatus(2, device)
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
         self.scales_out = torch.empty(capacity, _words(layout.scale_stride), dtype=torch.int32, device=device)
         self.weights_out = torch.empty(capacity, config.topk, dtype=torch.float32, device=device)
@@ -176,12 +180,54 @@ class TritonProvider:
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
-        self._slot_of_pair: torch.Tensor | None = None  # from a dispatch_send until its receive
-        # Each copy's destination row address, made by the routing for the send right after it.
+        # Each copy's slot (for the combine) and destination row address (for the send right after the
+        # routing), made by the routing; a dispatch's handle views the first rows.
+        self._slot_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
         self._row_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
-        self._num_tokens = 0
+        self.combined_out = torch.empty(config.max_tokens_per_rank, config.hidden, dtype=torch.bfloat16, device=device)
+        self._sent: int | None = None  # the batch size of the dispatch sent and not yet received
         self._combine_handle: CombineHandle | None = None
         self.fp8_name = TRITON_FP8[fp8_dtype]
+        self._launches: dict[tuple, object] = {}  # bound launches and views, by what they depend on
+
+    # -- bound launches -----------------------------------------------------------------------
+
+    @property
+    def tuning(self) -> KernelTuning:
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, tuning: KernelTuning) -> None:
+        self._tuning = tuning
+        self._launches.clear()
+
+    @property
+    def max_spins(self) -> int:
+        return self._max_spins
+
+    @max_spins.setter
+    def max_spins(self, spins: int) -> None:
+        self._max_spins = spins
+        self._launches.clear()
+
+    def _cached(self, key: tuple, make: Callable[[], object]):
+        """What ``make`` builds for ``key`` (a launch plan or a view), built on first use."""
+        found = self._launches.get(key)
+        if found is None:
+            found = self._launches[key] = make()
+        return found
+
+    def launch_count(self) -> int:
+        """Kernel launches so far, over every bound launch (a test's and a benchmark's counter)."""
+        return sum(
+            launch.launches
+            for plan in self._launches.values()
+            for launch in (plan if isinstance(plan, tuple) else (plan,))
+            if isinstance(launch, BoundLaunch)
+        )
+
+    def _bind(self, kernel, grid: tuple[int, ...], args: dict, options: dict, variable=()) -> BoundLaunch:
+        return BoundLaunch(kernel, self.device, grid, args, {**options, **self._pdl_launch}, variable)
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -229,85 +275,108 @@ class TritonProvider:
         quantize: bool = False,
     ) -> None:
         """Send each token's row to its destinations; ``quantize``: ``payload`` is bf16, quantize it
-        to the dispatch dtype on the way, once per token whatever the number of destinations."""
+        to the dispatch dtype on the way, once per token whatever the number of destinations. The
+        kernels read the tensors as they are (int32 or int64 ids, f32 or 16-bit weights, tokens of any
+        dtype as words); only a tensor that is not contiguous is copied."""
         self._ensure_peers()
+        num_tokens = payload.shape[0]
+        tensors = [_contiguous(payload), _contiguous(weights), _contiguous(ids)]
+        if scales is not None:
+            tensors.append(_contiguous(scales))
+        route_count, route, send = self._cached(
+            ("dispatch", num_tokens, quantize, scales is not None),
+            lambda: self._dispatch_launches(num_tokens, layout, quantize, scales is not None),
+        )
+        if route_count is not None:
+            route_count(tensors[2])
+        route(tensors[2])
+        send(*tensors)
+        self._sent = num_tokens
+
+    def _dispatch_launches(
+        self, num_tokens: int, layout: formats.DispatchRowLayout, quantize: bool, with_scales: bool
+    ) -> tuple[BoundLaunch | None, BoundLaunch, BoundLaunch]:
+        """The routing (one or two kernels) and the send of a batch of ``num_tokens``."""
         cfg = self.config
-        self._num_tokens = payload.shape[0]
-        # Any conversion kernel runs before the routing, so that the send follows the routing directly.
-        ids = ids.int().contiguous()
-        x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
-        scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
-        weight_words = weights.float().contiguous().view(torch.int32)
-        self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
-        row_of_pair = self._row_of_pair[: self._num_tokens]
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
-        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), MIN_TILE))
-        blocks = max(1, triton.cdiv(self._num_tokens, route_block))
+        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(num_tokens), MIN_TILE))
+        blocks = max(1, triton.cdiv(num_tokens, route_block))
         route_meta = {
             "K": cfg.topk,
             "KP": triton.next_power_of_2(cfg.topk),
             "BLOCK_N": route_block,
             "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
-            **self._pdl_launch,
         }
+        experts = {"num_tokens": num_tokens, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_local_experts}
+        route_count = None
         if blocks > 1:
-            transport.route_count_kernel[(cfg.world_size, blocks)](
-                ids, self._block_counts, self._num_tokens, cfg.num_experts, cfg.num_local_experts, **route_meta
+            route_count = self._bind(
+                transport.route_count_kernel,
+                (cfg.world_size, blocks),
+                {"block_counts_ptr": self._block_counts, **experts},
+                route_meta,
+                ("ids_ptr",),
             )
-        transport.route_kernel[(cfg.world_size, blocks)](
-            ids,
-            self.arena.peer_bases,
-            self._slot_of_pair,
-            row_of_pair,
-            self._block_counts,
-            self.send_counts,
-            self._status.flags,
-            self._num_tokens,
-            cfg.num_experts,
-            cfg.num_local_experts,
-            cfg.rank,
-            cfg.max_tokens_per_rank,
-            ROW_BYTES=layout.row_bytes,
-            NBP=triton.next_power_of_2(blocks) if blocks > 1 else 1,
-            **route_meta,
+        route = self._bind(
+            transport.route_kernel,
+            (cfg.world_size, blocks),
+            {
+                "peer_bases": self.arena.peer_bases,
+                "slot_of_pair_ptr": self._slot_of_pair,
+                "row_of_pair_ptr": self._row_of_pair,
+                "block_counts_ptr": self._block_counts,
+                "send_counts_ptr": self.send_counts,
+                "status_ptr": self._status.flags,
+                **experts,
+                "rank": cfg.rank,
+                "max_tokens": cfg.max_tokens_per_rank,
+            },
+            {**route_meta, "ROW_BYTES": layout.row_bytes, "NBP": triton.next_power_of_2(blocks) if blocks > 1 else 1},
+            ("ids_ptr",),
         )
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         tile_groups = max(1, self.tuning.send_tile // group)
         if quantize:
             tiles = triton.cdiv(cfg.hidden // group, tile_groups)
         else:
-            tiles = triton.cdiv(x.shape[1], self.tuning.copy_block)
-        transport.dispatch_send_kernel[self._grid(self.tuning.send_programs_per_sm, self._num_tokens * tiles)](
-            self.arena.peer_bases,
-            x,
-            scale_words,
-            weight_words,
-            ids,
-            row_of_pair,
-            self.send_counts,
-            self._ticket("dispatch_send"),
-            self.rounds[0],
-            self._num_tokens,
-            cfg.rank,
-            self.arena_layout.counts_offset,
-            self.arena_layout.dispatch_arrivals_offset,
-            **self._row_meta(layout),
-            WP=triton.next_power_of_2(cfg.world_size),
-            SCALE_WORDS=_words(layout.scale_bytes),
-            BLOCK=self.tuning.copy_block,
-            PAD_BLOCK=triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
-            TILES=tiles,
-            QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
-            HIDDEN=cfg.hidden,
-            GROUP=group,
-            TILE_GROUPS=tile_groups,
-            FP8_MAX=formats.fp8_max(self.fp8_dtype),
-            FP8=self.fp8_name,
-            EMAX=formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
-            enable_fp_fusion=False,
-            num_warps=self.tuning.send_warps,
-            **self._pdl_launch,
+            tiles = triton.cdiv(_words(layout.token_bytes), self.tuning.copy_block)
+        fixed = {
+            "peer_bases": self.arena.peer_bases,
+            "row_of_pair_ptr": self._row_of_pair,
+            "send_counts_ptr": self.send_counts,
+            "tickets_ptr": self._ticket("dispatch_send"),
+            "round_ptr": self.rounds[0],
+            "num_tokens": num_tokens,
+            "rank": cfg.rank,
+            "counts_offset": self.arena_layout.counts_offset,
+            "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
+        }
+        if not with_scales:
+            fixed["scales_ptr"] = self._no_scales
+        send = self._bind(
+            transport.dispatch_send_kernel,
+            self._grid(self.tuning.send_programs_per_sm, num_tokens * tiles),
+            fixed,
+            {
+                **self._row_meta(layout),
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "SCALE_WORDS": _words(layout.scale_bytes),
+                "BLOCK": self.tuning.copy_block,
+                "PAD_BLOCK": triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
+                "TILES": tiles,
+                "QUANT": QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
+                "HIDDEN": cfg.hidden,
+                "GROUP": group,
+                "TILE_GROUPS": tile_groups,
+                "FP8_MAX": formats.fp8_max(self.fp8_dtype),
+                "FP8": self.fp8_name,
+                "EMAX": formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
+                "enable_fp_fusion": False,
+                "num_warps": self.tuning.send_warps,
+            },
+            ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
+        return route_count, route, send
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
         """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""
@@ -329,57 +398,72 @@ class TritonProvider:
         self.check_status()
         raise RuntimeError(f"{kind}_recv called without a {kind}_send before it (each send is received once)")
 
-    def _wait_args(self, round_index: int) -> tuple:
+    def _wait_args(self, round_index: int) -> dict[str, object]:
         """The receive kernels' round, status and spin bound arguments."""
-        return (self.rounds[round_index], self._status.flags, self.max_spins)
+        return {"round_ptr": self.rounds[round_index], "status_ptr": self._status.flags, "max_spins": self.max_spins}
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
-        if self._slot_of_pair is None:
+        if self._sent is None:
             self._refuse_receive("dispatch")
-        slot_of_pair, self._slot_of_pair = self._slot_of_pair, None  # each send is received once
-        cfg = self.config
-        programs_per_sm = self.tuning.dispatch_recv_programs_per_sm(layout.row_bytes)
-        transport.dispatch_recv_kernel[self._grid(programs_per_sm, self.arena_layout.slots)](
-            self.arena.base,
-            self.tokens_out,
-            self.scales_out,
-            self.weights_out.view(torch.int32),
-            self.ids_out,
-            self.num_recv,
-            self.recv_counts,
-            *self._wait_args(0),
-            cfg.max_tokens_per_rank,
-            self.arena_layout.counts_offset,
-            self.arena_layout.dispatch_arrivals_offset,
-            **self._row_meta(layout),
-            ROW_WORDS=_words(layout.row_bytes),
-            WP=triton.next_power_of_2(cfg.world_size),
-            BLOCK=self.tuning.copy_block,
-            SCALE_BLOCK=triton.next_power_of_2(max(1, _words(layout.scale_stride))),
-            num_warps=self.tuning.recv_warps,
-            **self._pdl_launch,
-        )
+        num_tokens, self._sent = self._sent, None  # each send is received once
+        recv = self._cached(("dispatch_recv",), lambda: self._dispatch_recv_launch(layout))
+        recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
+        slots = self._cached(("slot_of_pair", num_tokens), lambda: self._slot_of_pair[:num_tokens])
         handle = CombineHandle(
-            num_tokens=self._num_tokens,
-            copy_of_pair=slot_of_pair,
-            slot_of_pair=slot_of_pair,
+            num_tokens=num_tokens,
+            copy_of_pair=slots,
+            slot_of_pair=slots,
             recv_src=None,
             recv_pos=None,
             recv_counts=self.recv_counts,
             num_recv=self.num_recv,
         )
-        scales = None
-        if layout.scale_bytes:
-            scales = self.scales_out.view(torch.uint8)[:, : layout.scale_bytes]
+        tokens, scales = self._cached(("dispatch_out", token_dtype), lambda: self._dispatch_views(layout, token_dtype))
         return DispatchOutput(
-            tokens=self.tokens_out.view(torch.uint8).view(token_dtype),
+            tokens=tokens,
             topk_weights=self.weights_out,
             topk_ids=self.ids_out,
             scales=scales,
             scale_stride=layout.scale_stride,
             num_recv=self.num_recv,
             handle=handle,
+        )
+
+    def _dispatch_views(
+        self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The received tokens as ``token_dtype`` and the meaningful bytes of their scale rows."""
+        scales = self.scales_out.view(torch.uint8)[:, : layout.scale_bytes] if layout.scale_bytes else None
+        return self.tokens_out.view(torch.uint8).view(token_dtype), scales
+
+    def _dispatch_recv_launch(self, layout: formats.DispatchRowLayout) -> BoundLaunch:
+        cfg = self.config
+        programs_per_sm = self.tuning.dispatch_recv_programs_per_sm(layout.row_bytes)
+        return self._bind(
+            transport.dispatch_recv_kernel,
+            self._grid(programs_per_sm, self.arena_layout.slots),
+            {
+                "arena_ptr": self.arena.base,
+                "tokens_out": self.tokens_out,
+                "scales_out": self.scales_out,
+                "weights_out": self.weights_out.view(torch.int32),
+                "ids_out": self.ids_out,
+                "num_recv_out": self.num_recv,
+                "recv_counts_out": self.recv_counts,
+                **self._wait_args(0),
+                "max_tokens": cfg.max_tokens_per_rank,
+                "counts_offset": self.arena_layout.counts_offset,
+                "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
+            },
+            {
+                **self._row_meta(layout),
+                "ROW_WORDS": _words(layout.row_bytes),
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "BLOCK": self.tuning.copy_block,
+                "SCALE_BLOCK": triton.next_power_of_2(max(1, _words(layout.scale_stride))),
+                "num_warps": self.tuning.recv_warps,
+            },
         )
 
     # -- combine ------------------------------------------------------------------------------
@@ -398,6 +482,11 @@ class TritonProvider:
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         self._ensure_peers()
+        send = self._cached(("combine_send",), self._combine_send_launch)
+        send(_contiguous(y))
+        self._combine_handle = handle
+
+    def _combine_send_launch(self) -> BoundLaunch:
         cfg = self.config
         meta = self._combine_meta(self.tuning.combine_send_tile)
         num_blocks = cfg.hidden // cfg.combine_block
@@ -406,37 +495,46 @@ class TritonProvider:
         tile_blocks = meta["TILE_BLOCKS"]
         item_blocks = triton.cdiv(num_blocks, tile_blocks) * tile_blocks if whole_row else tile_blocks
         items = triton.cdiv(num_blocks, item_blocks)
-        transport.combine_send_kernel[
-            self._grid(self.tuning.combine_send_programs_per_sm, self.arena_layout.slots * items)
-        ](
-            self.arena.peer_bases,
-            y.contiguous(),
-            handle.recv_counts,
-            self._ticket("combine_send"),
-            self.rounds[1],
-            cfg.rank,
-            cfg.max_tokens_per_rank,
-            self.arena_layout.combine_offset,
-            self.arena_layout.combine_arrivals_offset,
-            **meta,
-            ITEM_BLOCKS=item_blocks,
-            ITEMS=items,
-            FP8_MAX=formats.fp8_max(self.fp8_dtype),
-            FP8=self.fp8_name,
-            W=cfg.world_size,
-            WP=triton.next_power_of_2(cfg.world_size),
-            enable_fp_fusion=False,
-            num_warps=self.tuning.combine_send_warps,
-            **self._pdl_launch,
+        return self._bind(
+            transport.combine_send_kernel,
+            self._grid(self.tuning.combine_send_programs_per_sm, self.arena_layout.slots * items),
+            {
+                "peer_bases": self.arena.peer_bases,
+                "recv_counts_ptr": self.recv_counts,
+                "tickets_ptr": self._ticket("combine_send"),
+                "round_ptr": self.rounds[1],
+                "rank": cfg.rank,
+                "max_tokens": cfg.max_tokens_per_rank,
+                "combine_offset": self.arena_layout.combine_offset,
+                "arrivals_offset": self.arena_layout.combine_arrivals_offset,
+            },
+            {
+                **meta,
+                "ITEM_BLOCKS": item_blocks,
+                "ITEMS": items,
+                "FP8_MAX": formats.fp8_max(self.fp8_dtype),
+                "FP8": self.fp8_name,
+                "W": cfg.world_size,
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "enable_fp_fusion": False,
+                "num_warps": self.tuning.combine_send_warps,
+            },
+            ("y_ptr",),
         )
-        self._combine_handle = handle
 
     def combine_recv(self) -> torch.Tensor:
         if self._combine_handle is None:
             self._refuse_receive("combine")
         handle, self._combine_handle = self._combine_handle, None
+        num_tokens = handle.num_tokens
+        recv, out = self._cached(("combine_recv", num_tokens), lambda: self._combine_recv_launch(num_tokens))
+        recv()
+        self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
+        return out
+
+    def _combine_recv_launch(self, num_tokens: int) -> tuple[BoundLaunch, torch.Tensor]:
+        """The combine receive of a batch of ``num_tokens`` and the view of the output it writes."""
         cfg = self.config
-        out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=self.device)
         tuning = self.tuning
         if cfg.combine_dtype is CombineDtype.BF16:
             tile, warps = tuning.combine_recv_tile, tuning.combine_recv_warps
@@ -444,25 +542,34 @@ class TritonProvider:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         meta = self._combine_meta(tile)
         tiles = triton.cdiv(cfg.hidden // cfg.combine_block, meta["TILE_BLOCKS"])
-        transport.combine_recv_kernel[self._grid(tuning.combine_recv_programs_per_sm, handle.num_tokens * tiles)](
-            self.arena.base,
-            handle.slot_of_pair,
-            out,
-            *self._wait_args(1),
-            handle.num_tokens,
-            self.arena_layout.combine_offset,
-            self.arena_layout.combine_arrivals_offset,
-            **meta,
-            FP8=self.fp8_name,
-            K=cfg.topk,
-            W=cfg.world_size,
-            WP=triton.next_power_of_2(cfg.world_size),
-            enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
-            num_warps=warps,
-            **self._pdl_launch,
+        launch = self._bind(
+            transport.combine_recv_kernel,
+            self._grid(tuning.combine_recv_programs_per_sm, num_tokens * tiles),
+            {
+                "arena_ptr": self.arena.base,
+                "slot_of_pair_ptr": self._slot_of_pair,
+                "out_ptr": self.combined_out,
+                **self._wait_args(1),
+                "num_tokens": num_tokens,
+                "combine_offset": self.arena_layout.combine_offset,
+                "arrivals_offset": self.arena_layout.combine_arrivals_offset,
+            },
+            {
+                **meta,
+                "FP8": self.fp8_name,
+                "K": cfg.topk,
+                "W": cfg.world_size,
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "enable_fp_fusion": False,  # q * scale then + acc, rounded twice, as the torch reference does
+                "num_warps": warps,
+            },
         )
-        self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
-        return out
+        return launch, self.combined_out[:num_tokens]
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied only where it is not contiguous (``Tensor.contiguous`` costs a dispatch even then)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _interpreting() -> bool:
