@@ -61,6 +61,11 @@ class EpDispatchCombineOp:
         )
         self.layout = formats.DispatchRowLayout(self.token_bytes, self.scale_bytes, config.topk)
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
+        # Checked on every dispatch: made once here (the hot path's host time counts).
+        self._token_dtypes = {torch.bfloat16, self.payload_dtype}
+        if config.dispatch_dtype is DispatchDtype.MXFP4:
+            self._token_dtypes.add(torch.float4_e2m1fn_x2)
+        self._natural_scales = self.scale_bytes == formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden)
         if self.provider_kind is Provider.TRITON:
             from mori_sglang.providers.triton_provider import TritonProvider
 
@@ -126,11 +131,8 @@ class EpDispatchCombineOp:
             top = int(ids.max())
             if top >= cfg.num_experts:
                 raise expert_id_error(top, cfg.num_experts, dropped=False)
-        accepted = {torch.bfloat16, self.payload_dtype}
-        if cfg.dispatch_dtype is DispatchDtype.MXFP4:
-            accepted.add(torch.float4_e2m1fn_x2)
-        if x.dtype not in accepted:
-            names = ", ".join(sorted(str(d) for d in accepted))
+        if x.dtype not in self._token_dtypes:
+            names = ", ".join(sorted(str(d) for d in self._token_dtypes))
             raise InputError(f"{cfg.dispatch_dtype.value} dispatch takes tokens of {names}; got {x.dtype}")
         quantized_input = x.dtype != torch.bfloat16 or cfg.dispatch_dtype is DispatchDtype.BF16
         if x.dtype == torch.bfloat16 and x.shape[1] != cfg.hidden:
@@ -162,8 +164,8 @@ class EpDispatchCombineOp:
         self._check_dispatch(x, topk_weights, scales, topk_ids)
         payload = x
         if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
-            natural = self.scale_bytes == formats.dispatch_scale_bytes(self.config.dispatch_dtype, self.config.hidden)
-            if self.config.dispatch_dtype in self.provider.fused_quantization and scales is None and natural:
+            fused = self.config.dispatch_dtype in self.provider.fused_quantization
+            if fused and scales is None and self._natural_scales:
                 self.provider.dispatch_send(x, None, topk_weights, topk_ids, self.layout, quantize=True)
                 return
             payload, scales = formats.quantize_dispatch(x, self.config.dispatch_dtype, self.fp8_dtype)
