@@ -1,8 +1,9 @@
 """A scripted stand-in for an SGLang / vLLM server, for exercising the eval tools without GPUs.
 
 It speaks the endpoints the tools use: ``POST /generate`` (SGLang), ``POST /v1/completions``
-(OpenAI-compatible), ``GET /health`` and ``GET /v1/models``. Answers come from a JSON script keyed by
-question text (the last ``Question: ...\\nAnswer:`` block of the prompt)::
+(OpenAI-compatible), ``GET /health``, ``GET /model_info`` and ``GET /v1/models``. A ``/generate``
+with ``max_new_tokens`` 0 (SGLang's prefix warm-up) gets an empty answer. Answers come from a JSON
+script keyed by question text (the last ``Question: ...\\nAnswer:`` block of the prompt)::
 
     {"answers": {"<question>": {"text": "... 18", "completion_tokens": 9,
                                 "failures": ["500", "hang", "drop"], "delay_s": 0.01}},
@@ -87,6 +88,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._send_json(200, {})
+        elif self.path == "/model_info":
+            self._send_json(200, {"model_path": self.server.script.get("model", "scripted"), "is_generation": True})
         elif self.path == "/v1/models":
             model = self.server.script.get("model", "scripted")
             self._send_json(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
@@ -119,6 +122,9 @@ class _Handler(BaseHTTPRequestHandler):
                 server.in_flight -= 1
 
     def _answer(self, prompt: str, body: dict[str, Any]) -> None:
+        if self.path == "/generate" and body.get("sampling_params", {}).get("max_new_tokens") == 0:
+            self._send_json(200, {"text": "", "meta_info": {"completion_tokens": 0, "prompt_tokens": len(prompt)}})
+            return
         question = question_of(prompt)
         if question is None:
             self._send_json(400, {"error": "the prompt does not end in a 'Question: ...\\nAnswer:' block"})

@@ -30,12 +30,13 @@ class EnvVar:
     help: str
     choices: tuple[str, ...] | None = None
     kind: str = "choice"  # choice | bool | int
+    minimum: int = 1  # the smallest integer accepted (kind int)
 
     def accepted(self) -> str:
         if self.kind == "bool":
             return "0/1 (true/false)"
         if self.kind == "int":
-            return "integer > 0"
+            return "integer > 0" if self.minimum == 1 else f"integer >= {self.minimum}"
         return " \\| ".join(self.choices or ())
 
 
@@ -95,6 +96,30 @@ ENV_VARS: tuple[EnvVar, ...] = (
         ("auto", "mori", "triton", "torch"),
     ),
     EnvVar(
+        "SGLANG_MORI_EP_V2",
+        "1",
+        "Native MoRI only: 1 runs the intranode mode with a bf16 combine within one host on MoRI's EP v2 "
+        "(mori.ops.dispatch_combine_v2, its hip backend); the low-latency and split modes (AsyncLL), "
+        "quantized combines and groups across hosts stay on v1. 0: v1 everywhere. SGLang sets it to 0 "
+        "where its own EP v2 checks fail.",
+        kind="bool",
+    ),
+    EnvVar(
+        "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD",
+        "256",
+        "Native MoRI across hosts: InterNodeV1LL when SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK is at "
+        "most this, else InterNodeV1 (SGLang's rule).",
+        kind="int",
+    ),
+    EnvVar(
+        "SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS",
+        "0",
+        "Native MoRI only: cap on the tokens one rank receives per call (MoRI's max_total_recv_tokens; "
+        "0: every rank may send its whole buffer). EP v2's hip backend refuses a cap below that.",
+        kind="int",
+        minimum=0,
+    ),
+    EnvVar(
         "SGLANG_MORI_FP8_TYPE",
         "auto",
         "FP8 flavour on the wire. auto: e4m3fnuz on gfx942, e4m3fn elsewhere.",
@@ -116,7 +141,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
         "",
-        "Scales per token for blockwise fp8 combine; the block is ceil(hidden / value). Unset: blocks of 128 elements.",
+        "Scales per token of MoRI's blockwise fp8 combine; the block is ceil(hidden / value). On native MoRI "
+        "(which reads it itself) unset means 56; our providers' fp8_blockwise_native then uses blocks of 128.",
         kind="int",
     ),
 )
@@ -166,9 +192,10 @@ def get_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     try:
         number = int(value)
     except ValueError:
-        raise EnvError(f"{name}={value!r} is not an integer; use a positive integer") from None
-    if number <= 0:
-        raise EnvError(f"{name}={number} must be a positive integer")
+        raise EnvError(f"{name}={value!r} is not an integer; use {var.accepted()}") from None
+    if number < var.minimum:
+        accepted = "a positive integer" if var.minimum == 1 else f"an integer >= {var.minimum}"
+        raise EnvError(f"{name}={number} must be {accepted}")
     return number
 
 

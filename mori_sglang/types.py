@@ -25,8 +25,9 @@ class CombineHandle:
     (-1 where none). Expert side: ``recv_src`` / ``recv_pos`` are each received row's source rank and
     position within that source; ``recv_counts`` are rows per source. Host lists are present only where
     the intranode dispatch already synchronised; the low-latency path never reads them. The native MoRI
-    provider keeps this rank's top-k ids in ``copy_of_pair`` / ``slot_of_pair`` (MoRI's combine takes
-    them) and the received row count in ``recv_counts``.
+    provider keeps the top-k ids it sent in ``copy_of_pair`` / ``slot_of_pair`` (MoRI v1's combine takes
+    them), the received row count in ``recv_counts`` and, on MoRI's EP v2, v2's routing handle in
+    ``routing``.
     """
 
     num_tokens: int
@@ -38,6 +39,7 @@ class CombineHandle:
     num_recv: torch.Tensor
     send_counts_host: list[int] | None = None
     recv_counts_host: list[int] | None = None
+    routing: object | None = None
 
 
 @dataclass

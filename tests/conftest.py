@@ -39,6 +39,8 @@ TAG_BYTES = 4
 FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 ROUTINGS = ("random", "round_robin", "spread", "all_to_one", "dropped")
 INPUTS = ("normal", "lognormal", "outliers")
+# 65 GSM8K test problems (MIT, see tests/data/gsm8k/LICENSE), one of them with a negative answer.
+GSM8K_TEST_JSONL = Path(__file__).with_name("data") / "gsm8k" / "test.jsonl"
 
 
 def pytest_report_header() -> str:

@@ -13,6 +13,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from conftest import GSM8K_TEST_JSONL
 
 from eval.ab.__main__ import main
 from eval.ab.server import render_command
@@ -22,7 +23,7 @@ from eval.gsm8k.prompt import get_answer_value
 from eval.scripted_server import ScriptedServer
 
 REPO = Path(__file__).resolve().parents[1]
-TEST_JSONL = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+TEST_JSONL = GSM8K_TEST_JSONL
 LINES = read_jsonl(TEST_JSONL)
 DTYPES = ("bf16", "fp8", "fp8_direct_cast")
 

@@ -6,6 +6,7 @@ SGLang's benchmark/gsm8k/bench_sglang.py; accuracy, retries and concurrency agai
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import random
@@ -17,15 +18,17 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import GSM8K_TEST_JSONL
 
 from eval.gsm8k import data
 from eval.gsm8k.__main__ import main
 from eval.gsm8k.client import Client, RequestFailed, RetryPolicy
+from eval.gsm8k.driver import EvalConfig
+from eval.gsm8k.options import add_driver_args, config_from_args
 from eval.gsm8k.prompt import INVALID, STOP, few_shot_prefix, format_example, get_answer_value
 from eval.scripted_server import ScriptedServer, question_of
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-TEST_JSONL = GSM8K / "test.jsonl"
+TEST_JSONL = GSM8K_TEST_JSONL
 LINES = data.read_jsonl(TEST_JSONL)
 
 
@@ -160,11 +163,17 @@ def test_driver_against_scripted_server(
     assert summary["retried"] == len(failures) and summary["failed"] == 0
     assert summary["model"] == (None if backend == "sglang" else "scripted-moe")
 
-    # Every request is the benchmark's: few-shot prefix + question, greedy, 512 tokens, upstream stops.
-    assert len(server.requests) == n + sum(len(f) for f in failures.values())
+    # SGLang's frontend first warms the server up with the shared few-shot prefix and no new tokens;
+    # through the OpenAI API it does not.
     prefix = few_shot_prefix(LINES, shots)
+    requests = server.requests
+    if backend == "sglang":
+        assert requests[0] == ("/generate", {"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+        requests = requests[1:]
+    # Every other request is the benchmark's: few-shot prefix + question, greedy, 512 tokens, upstream stops.
+    assert len(requests) == n + sum(len(f) for f in failures.values())
     path = "/generate" if backend == "sglang" else "/v1/completions"
-    for route, body in server.requests:
+    for route, body in requests:
         assert route == path
         if backend == "sglang":
             prompt, params = body["text"], body["sampling_params"]
@@ -215,15 +224,52 @@ def test_client_does_not_retry_a_bad_request(server: ScriptedServer) -> None:
     assert len(server.requests) == 1
 
 
-def test_unreachable_server_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("backend", "route"), [("sglang", "/model_info"), ("openai", "/v1/models")])
+@pytest.mark.parametrize("questions", ["1", "3"])
+def test_unreachable_server_is_an_error(
+    backend: str, route: str, questions: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler) as probe:
         port = probe.server_address[1]  # free once the block ends
     code = main([
-        "--backend", "openai", "--port", str(port), "--data-path", str(TEST_JSONL), "--num-questions", "3",
+        "--backend", backend, "--port", str(port), "--data-path", str(TEST_JSONL), "--num-questions", questions,
         "--retries", "1", "--retry-wait", "0.01", "--output-dir", str(tmp_path),
     ])  # fmt: skip
     assert code == 2
-    assert re.search(r"error: GET http://127\.0\.0\.1:\d+/v1/models: 2 attempts failed", capsys.readouterr().err)
+    captured = capsys.readouterr()
+    assert re.search(rf"error: GET http://127\.0\.0\.1:\d+{route}: 2 attempts failed", captured.err)
+    assert "Accuracy" not in captured.out
+
+
+@pytest.mark.parametrize("shots", [0, 1])
+def test_warm_up_only_for_a_batch_with_a_long_prefix(
+    shots: int, server: ScriptedServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the frontend: one question, or a prefix of at most 64 characters, is not warmed up."""
+    answers = {line["question"]: {"text": " 1", "completion_tokens": 1} for line in LINES[:2]}
+    server.script = {"answers": answers}
+    for n in (1, 2):
+        server.requests.clear()
+        code = main([
+            "--port", str(server.port), "--data-path", str(TEST_JSONL), "--num-questions", str(n),
+            "--num-shots", str(shots), "--output-dir", str(tmp_path), "--no-progress",
+        ])  # fmt: skip
+        assert code == 0
+        warm_ups = [body for _, body in server.requests if body["sampling_params"]["max_new_tokens"] == 0]
+        assert warm_ups == (
+            [{"text": few_shot_prefix(LINES, 1), "sampling_params": {"max_new_tokens": 0}}] if n > 1 and shots else []
+        )
+        assert len(server.requests) == n + len(warm_ups)
+
+
+def test_defaults_are_bench_sglang_s(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_sglang.py: 200 questions, 5 shots, 64 in flight (its common --parallel default)."""
+    parser = argparse.ArgumentParser()
+    add_driver_args(parser)
+    args = parser.parse_args([])
+    assert (args.num_questions, args.num_shots, args.parallel) == (200, 5, 64)
+    config = config_from_args(args, "http://127.0.0.1:30000", "out")
+    assert config.parallel == EvalConfig().parallel == 64
 
 
 def test_data_is_downloaded_once_and_cached(

@@ -693,9 +693,10 @@ def _mori_layer_checks(rank: int, world_size: int, seed: int) -> None:
     import mori
 
     ops = mori.ops.EpDispatchCombineOp.instances
-    assert ops and all(op.calls for op in ops), "the layer did not run through MoRI"
+    v2_ops = mori.ops.dispatch_combine_v2.EpDispatchCombineOp.instances
+    assert ops and v2_ops and all(op.calls for op in ops + v2_ops), "the layer did not run through MoRI"
     kinds = {op.config.kernel_type.name for op in ops}
-    assert kinds == {"IntraNode", "AsyncLL"}, kinds
+    assert kinds == {"IntraNode", "AsyncLL"}, kinds  # bf16 intranode took EP v2
 
 
 def test_moe_layer_through_native_mori_equals_the_layer_without(seed: int, tmp_path: Path) -> None:

@@ -18,6 +18,10 @@ from eval.gsm8k.prompt import MAX_NEW_TOKENS, STOP, TEMPERATURE
 
 # The values SGLang's frontend sends explicitly; a server would otherwise fill them from the
 # model's generation_config.json, and runs stop being comparable across servers.
+# SGLang's frontend: the model info it reads when it connects (``/get_model_info``, now deprecated in
+# favour of this name), and the shortest shared prefix it warms up (``cache_program``: over 64 chars).
+MODEL_INFO_PATH = "/model_info"
+WARM_UP_MIN_PREFIX_CHARS = 64
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
@@ -89,12 +93,23 @@ class Client:
 
 
 class SGLangBackend:
-    """SGLang's native ``/generate``: the request its frontend (``sgl.gen``) sends."""
+    """SGLang's native ``/generate``: the requests its frontend (``sgl.gen`` in ``run_batch``) sends.
+
+    Like the frontend, it asks the server for its model info first (an unreachable server fails here,
+    before any question), and ``warm_up`` sends the shared few-shot prefix once with no new tokens so
+    that the server caches it before the questions arrive.
+    """
 
     model = None  # /generate serves the one loaded model
 
     def __init__(self, client: Client) -> None:
         self.client = client
+        self.client.request_json("GET", MODEL_INFO_PATH)
+
+    def warm_up(self, prefix: str) -> None:
+        """The frontend's prefix caching: ``max_new_tokens`` 0, only for prefixes past its threshold."""
+        if len(prefix) > WARM_UP_MIN_PREFIX_CHARS:
+            self.client.request_json("POST", "/generate", {"text": prefix, "sampling_params": {"max_new_tokens": 0}})
 
     def complete(self, prompt: str) -> Completion:
         payload = {
@@ -122,6 +137,9 @@ class OpenAIBackend:
     def __init__(self, client: Client, model: str | None) -> None:
         self.client = client
         self.model = model or self._served_model()
+
+    def warm_up(self, prefix: str) -> None:
+        """Nothing: SGLang's frontend caches no prefix through the OpenAI API (and vLLM refuses max_tokens 0)."""
 
     def _served_model(self) -> str:
         body, _ = self.client.request_json("GET", "/v1/models")

@@ -31,7 +31,7 @@ def add_driver_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model name for /v1/completions (default: the first of /v1/models)")
     parser.add_argument("--num-questions", type=at_least(1), default=200)
     parser.add_argument("--num-shots", type=at_least(0), default=5)
-    parser.add_argument("--parallel", type=at_least(1), default=128, help="requests in flight")
+    parser.add_argument("--parallel", type=at_least(1), default=64, help="requests in flight")
     parser.add_argument("--data-path", help="GSM8K test.jsonl (default: download once and cache)")
     parser.add_argument("--timeout", type=at_least(0.001, float), default=600.0, help="seconds per request attempt")
     parser.add_argument("--retries", type=at_least(0), default=3, help="further attempts after a transient failure")

@@ -1,8 +1,12 @@
-"""A stand-in for AMD's native MoRI package with its Python API (``mori.ops``, ``mori.shmem``), for CPU
-tests of the MoRI provider. Data moves with torch.distributed collectives over the registered group;
-every call checks its arguments the way MoRI's op documents them, so an adapter that passes the wrong
-shapes, dtypes or kernel type fails here."""
+"""A stand-in for AMD's MoRI package (``amd-mori`` 1.2.4) for CPU tests of the MoRI provider.
 
-from mori import ops, shmem
+It has the Python API the provider uses (``mori.ops`` v1 and ``mori.ops.dispatch_combine_v2``,
+``mori.cco``, ``mori.shmem``) with the real package's signatures, defaults and behaviour as read from
+its sources: persistent output buffers, op-held routing, AsyncLL's destination arithmetic and the
+per-architecture combine numerics. Data moves with torch.distributed collectives; a test parses the
+real wheel and fails where this API drifts from it (tests/test_mori_api.py).
+"""
 
-__all__ = ["ops", "shmem"]
+from mori import cco, jit, ops, shmem
+
+__all__ = ["cco", "jit", "ops", "shmem"]

@@ -1,0 +1,241 @@
+"""MoRI's v1 API (``mori.ops.EpDispatchCombineOp``) behind our op API, configured as SGLang does.
+
+- Kernel per mode: IntraNode within a host, InterNodeV1 across hosts (InterNodeV1LL when the buffer
+  holds at most ``SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD`` tokens), AsyncLL for the
+  low-latency and split modes and with ``MORI_ENABLE_SDMA``; SGLang's blocks and warps for each, its
+  wider grid for fp4 dispatch within a host, clamped to the GPU's compute units.
+- Scale rows travel as opaque bytes already padded to their 128 B stride (v1 lays the rows it
+  receives down packed), so the receiver reads them at the stride our other providers use.
+- The quantized combines are MoRI's own: ``quant_type`` per combine dtype, with MoRI's block scales
+  (``MORI_FP8_COMBINE_SCALE_DIM`` per token, 56 unless set) whichever blockwise name is configured.
+- The receive capacity is capped by ``SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS`` where set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mori_sglang import env, formats
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.providers import mori_ids
+from mori_sglang.providers.mori_provider import GPUS_PER_NODE, MoriProvider, init_shmem
+from mori_sglang.types import CombineHandle, DispatchOutput
+
+QUANT_TYPE = {
+    CombineDtype.BF16: "none",
+    CombineDtype.FP8_DIRECT_CAST: "fp8_direct_cast",
+    CombineDtype.FP8_BLOCKWISE: "fp8_blockwise",
+    CombineDtype.FP8_BLOCKWISE_NATIVE: "fp8_blockwise",
+    CombineDtype.FP4_BLOCKWISE: "fp4_blockwise",
+}
+
+# (warps per block, blocks, RDMA blocks) per kernel type, as SGLang launches them.
+LAUNCH = {
+    "IntraNode": (16, 80, 0),
+    "InterNodeV1": (8, 64, 32),
+    "InterNodeV1LL": (8, 64, 32),
+    "AsyncLL": (8, 64, 32),
+}
+# SGLang's IntraNode grid for fp4 dispatch: (warps, blocks) below and from 128 tokens per rank.
+FP4_INTRANODE_LAUNCH = {"small": (5, 225), "large": (16, 256)}
+FP4_SMALL_BATCH = 128
+
+# Combine quantization each kernel runs (MoRI raises at the first combine otherwise).
+BLOCKWISE_KERNELS = {"fp8_blockwise": ("IntraNode", "AsyncLL"), "fp4_blockwise": ("IntraNode",)}
+
+
+def kernel_type_name(config: EpConfig) -> str:
+    """AsyncLL for the split kinds (the only kernel with separate send and receive calls) and with
+    SDMA copies; IntraNode within a host; InterNodeV1LL / InterNodeV1 across hosts by buffer size."""
+    if config.mode is not Mode.INTRANODE or env.get_bool("MORI_ENABLE_SDMA"):
+        return "AsyncLL"
+    if config.world_size <= GPUS_PER_NODE:
+        return "IntraNode"
+    threshold = env.get_int("SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD")
+    return "InterNodeV1LL" if config.max_tokens_per_rank <= threshold else "InterNodeV1"
+
+
+def launch_geometry(config: EpConfig, kernel: str, compute_units: int | None) -> tuple[int, int, int]:
+    """(warps per block, blocks, RDMA blocks); IntraNode's blocks at most the compute units (its
+    combine ends in a grid-wide barrier every block spins on)."""
+    warps, blocks, rdma_blocks = LAUNCH[kernel]
+    if kernel == "IntraNode" and config.dispatch_dtype is DispatchDtype.MXFP4:
+        size = "small" if config.max_tokens_per_rank < FP4_SMALL_BATCH else "large"
+        warps, blocks = FP4_INTRANODE_LAUNCH[size]
+    if kernel == "IntraNode" and compute_units is not None:
+        blocks = min(blocks, compute_units)
+    return warps, blocks, rdma_blocks
+
+
+def mori_config_kwargs(
+    config: EpConfig,
+    layout: formats.DispatchRowLayout,
+    token_dtype: torch.dtype,
+    payload_dtype: torch.dtype,
+    compute_units: int | None = None,
+) -> dict[str, Any]:
+    """The ``EpDispatchCombineConfig`` fields for ``config`` (kernel type by name)."""
+    kernel = kernel_type_name(config)
+    warps, blocks, rdma_blocks = launch_geometry(config, kernel, compute_units)
+    return {
+        "data_type": token_dtype,
+        "rank": config.rank,
+        "world_size": config.world_size,
+        "hidden_dim": config.hidden,
+        # Opaque scale rows: bytes, already padded to the stride the receiver reads them with.
+        "scale_dim": layout.scale_stride if layout.scale_bytes else 0,
+        "scale_type_size": 1 if layout.scale_bytes else 0,
+        "max_token_type_size": max(torch.bfloat16.itemsize, payload_dtype.itemsize),
+        "max_num_inp_token_per_rank": config.max_tokens_per_rank,
+        "num_experts_per_rank": config.num_local_experts,
+        "num_experts_per_token": config.topk,
+        "warp_num_per_block": warps,
+        "block_num": blocks,
+        "max_total_recv_tokens": env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0,
+        "use_external_inp_buf": True,
+        "kernel_type": kernel,
+        "gpu_per_node": min(GPUS_PER_NODE, config.world_size),
+        "rdma_block_num": rdma_blocks,
+        "num_qp_per_pe": 2,
+        "quant_type": QUANT_TYPE[config.combine_dtype],
+    }
+
+
+def check_combine_quantization(config: EpConfig, kernel: str) -> None:
+    """MoRI quantizes the combine only in some kernels: fp8 blockwise in IntraNode and AsyncLL, fp4 in
+    IntraNode (on gfx950, which MoRI checks itself)."""
+    quant = QUANT_TYPE[config.combine_dtype]
+    if quant in BLOCKWISE_KERNELS and kernel not in BLOCKWISE_KERNELS[quant]:
+        raise ConfigError(
+            f"SGLANG_MORI_COMBINE_DTYPE={config.combine_dtype.value} is not offered by MoRI's {kernel} kernel "
+            f"(mode {config.mode.value}, {config.world_size} ranks); use bf16 or fp8_direct_cast there"
+        )
+
+
+def _compute_units(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class MoriV1Provider(MoriProvider):
+    """Our op API over one ``mori.ops.EpDispatchCombineOp``."""
+
+    def __init__(
+        self,
+        config: EpConfig,
+        device: torch.device,
+        layout: formats.DispatchRowLayout,
+        payload_dtype: torch.dtype,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        import mori
+
+        super().__init__(config, device, layout, payload_dtype, group)
+        self.kernel = kernel_type_name(config)
+        check_combine_quantization(config, self.kernel)
+        init_shmem(group or dist.group.WORLD)
+        kwargs = mori_config_kwargs(config, layout, self.token_dtype, payload_dtype, _compute_units(device))
+        kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)
+        # Older MoRI releases lack some fields (quant_type, rdma_block_num...): pass what this one has.
+        fields = {f.name for f in dataclasses.fields(mori.ops.EpDispatchCombineConfig)}
+        if kwargs["quant_type"] != "none" and "quant_type" not in fields:
+            raise ConfigError(
+                f"SGLANG_MORI_COMBINE_DTYPE={config.combine_dtype.value}: this MoRI has no quantized combine; "
+                "use bf16 or upgrade MoRI"
+            )
+        self.op = mori.ops.EpDispatchCombineOp(
+            mori.ops.EpDispatchCombineConfig(**{k: v for k, v in kwargs.items() if k in fields})
+        )
+        self._split = self.kernel == "AsyncLL"
+        self._sent_ids: torch.Tensor | None = None
+        self._dispatched: tuple | None = None
+        self._combined: torch.Tensor | None = None
+        self._num_tokens = 0
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def _routing(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, weights) as this kernel must see them (see ``mori_ids``)."""
+        dropped = mori_ids.flag_past_last(ids, self.config.num_experts, self._status)
+        if self._split:
+            return mori_ids.asyncll_routing(ids, weights, dropped, self.config.num_experts)
+        return mori_ids.negative_for_dropped(ids, dropped), weights.to(torch.float32).contiguous()
+
+    def dispatch_send(
+        self,
+        payload: torch.Tensor,
+        scales: torch.Tensor | None,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        layout: formats.DispatchRowLayout,
+        quantize: bool = False,
+    ) -> None:
+        if quantize:
+            raise RuntimeError("the MoRI provider carries pre-quantized tokens (it fuses no quantization)")
+        self._num_tokens = payload.shape[0]
+        self._sent_ids, sent_weights = self._routing(ids, weights)
+        padded = None
+        if layout.scale_bytes:
+            padded = torch.zeros(payload.shape[0], layout.scale_stride, dtype=torch.uint8, device=payload.device)
+            padded[:, : layout.scale_bytes] = scales
+        tokens = payload.contiguous().view(self.token_dtype)
+        args = (tokens, sent_weights, padded, self._sent_ids)
+        # AsyncLL hands its output buffers back from the send; dispatch_recv fills them.
+        self._dispatched = self.op.dispatch_send(*args) if self._split else self.op.dispatch(*args)
+
+    def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
+        if self._dispatched is None:
+            raise RuntimeError("dispatch_recv called without a dispatch_send before it")
+        if self._split:
+            self.op.dispatch_recv()
+        self._status.after_step(self.check_status)
+        tokens, weights, scales, ids, num_recv = self._dispatched[:5]
+        self._dispatched = None
+        if self._split:
+            ids = mori_ids.asyncll_received(ids)
+        scale_view = None
+        if layout.scale_bytes:
+            if scales is None:  # some MoRI releases return none for an empty batch
+                scales = torch.zeros(tokens.shape[0], layout.scale_stride, dtype=torch.uint8, device=tokens.device)
+            scale_view = scales.view(torch.uint8)[:, : layout.scale_bytes]
+        handle = CombineHandle(  # MoRI's combine takes this rank's own ids: they stand in for the slots
+            num_tokens=self._num_tokens,
+            copy_of_pair=self._sent_ids,
+            slot_of_pair=self._sent_ids,
+            recv_src=None,
+            recv_pos=None,
+            recv_counts=num_recv,
+            num_recv=num_recv,
+        )
+        return DispatchOutput(
+            tokens=tokens.view(torch.uint8).view(token_dtype),
+            topk_weights=weights,
+            topk_ids=ids,
+            scales=scale_view,
+            scale_stride=layout.scale_stride,
+            num_recv=num_recv,
+            handle=handle,
+        )
+
+    # -- combine ------------------------------------------------------------------------------
+
+    def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        """MoRI sums the returned rows unweighted: the expert side applied the weights already."""
+        ids = handle.copy_of_pair  # the ids this rank dispatched, which MoRI's combine takes
+        y = y.to(torch.bfloat16).contiguous()
+        self._num_tokens = handle.num_tokens
+        send = self.op.combine_send if self._split else self.op.combine
+        self._combined = send(y, None, ids)[0]
+
+    def combine_recv(self) -> torch.Tensor:
+        if self._combined is None:
+            raise RuntimeError("combine_recv called without a combine_send before it")
+        if self._split:
+            self.op.combine_recv()
+        out, self._combined = self._combined, None
+        return out[: self._num_tokens]
