@@ -378,7 +378,7 @@ def _await_block(
     while tl.max(late.to(tl.int32), 0) > 0:
         claimed = late & (tl.atomic_max(claims_ptr + tasks, target, mask=late, sem="relaxed", scope="gpu") < target)
         if tl.max(claimed.to(tl.int32), 0) > 0:
-            for d in tl.static_range(W):
+            for d in range(W):  # a loop, not unrolled: one copy of the task's code
                 if tl.sum(tl.where(w_offs == d, claimed.to(tl.int32), 0), 0) > 0:
                     _route_task(
                         b * W + d, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, counts_ptr,
