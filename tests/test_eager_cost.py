@@ -1,8 +1,9 @@
 """What an eager step of the Triton provider costs the host, counted rather than timed: one kernel
-launch per call (routing folded into the dispatch send), and, once a batch size has been seen, no
-torch operation at all in any call (no allocation, dtype conversion, contiguous copy, view or read of
-a device value), in both modes and for batches of one and of several routing blocks. The benchmark's
-``--eager`` flag times the same steps on a GPU.
+launch per receive and per combine send, the routing and the send per dispatch send (and the routing's
+count pass for a batch of several routing blocks), and, once a batch size has been seen, no torch
+operation at all in any call (no allocation, dtype conversion, contiguous copy, view or read of a
+device value), in both modes, for int32 and int64 ids. The benchmark's ``--eager`` flag times the same
+steps on a GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import random
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import interpreter_casts
 import pytest
@@ -28,10 +30,16 @@ pytestmark = pytest.mark.skipif(
 if not torch.cuda.is_available():
     interpreter_casts.install()  # the interpreter's float conversions made exact, as on a GPU
 
-# Two ranks, tiny rows: 70 tokens span two routing blocks (the smallest block is 64 tokens).
-WORLD, HIDDEN, EXPERTS, TOPK, CAPACITY = 2, 256, 4, 2, 72
+# Two ranks, tiny rows; routing blocks of 64 tokens, which 70 tokens overflow.
+WORLD, HIDDEN, EXPERTS, TOPK, CAPACITY, ROUTE_BLOCK = 2, 256, 4, 2, 72, 64
 BATCHES = (3, 70)
 CALLS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+def _launches_per_call(num_tokens: int) -> dict[str, int]:
+    """Routing (two passes past one block) and send; one kernel for every other call."""
+    routing = 1 if num_tokens <= ROUTE_BLOCK else 2
+    return {"dispatch_send": routing + 1, "dispatch_recv": 1, "combine_send": 1, "combine_recv": 1}
 
 
 # Kernels running now: the interpreter's own tensor work inside a launch is not the provider's.
@@ -138,11 +146,13 @@ def _expert_outputs(gen: torch.Generator) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", [Mode.LOW_LATENCY, Mode.INTRANODE])
-def test_each_call_launches_one_kernel_and_runs_no_torch_op(
+def test_each_call_launches_its_kernels_and_runs_no_torch_op(
     mode: Mode, ids_dtype: torch.dtype, kernel_runs: Counter
 ) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(mode))
+    for op in world.ops:
+        op.provider.tuning = replace(op.provider.tuning, route_block=ROUTE_BLOCK)
     reference = LoopbackWorld(_config(mode, Provider.TORCH))
     for n in BATCHES:  # the first step of a batch size binds its launches and views
         _step(world, [_inputs(n, gen, ids_dtype) for _ in range(WORLD)], _expert_outputs(gen))
@@ -151,7 +161,8 @@ def test_each_call_launches_one_kernel_and_runs_no_torch_op(
         ys = _expert_outputs(gen)
         record = CallRecorder(kernel_runs)
         combined = _step(world, batches, ys, record)
-        assert record.launches == {(call, r): 1 for call in CALLS for r in range(WORLD)}, (n, record.launches)
+        expected = _launches_per_call(n)
+        assert record.launches == {(call, r): expected[call] for call in CALLS for r in range(WORLD)}, n
         assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
         assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
         # The bound launches read this step's tensors: the same results as the torch provider.

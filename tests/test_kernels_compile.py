@@ -10,7 +10,8 @@ copy several times slower once, so it fails here.
 
 The launches are recorded without programmatic dependent launch (the interpreter cannot run it) and
 compiled for sm_90 a second time with it, as a Hopper GPU launches them: each kernel must wait for the
-kernel before it ahead of its first global memory access, and none lets the kernel after it launch early.
+kernel before it ahead of its first global memory access, and only the routing kernels may let the
+kernel after them launch early.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from mori_sglang.providers import triton_provider
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = [
+    "route_count_kernel",
+    "route_kernel",
     "dispatch_send_kernel",
     "dispatch_recv_kernel",
     "combine_send_kernel",
@@ -103,8 +106,8 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 def _step(cfg: EpConfig, tokens: list[int]) -> None:
     world = LoopbackWorld(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    for op in world.ops:  # routing blocks of 16 tokens, so that a 65-token batch spans five
-        op.provider.tuning = replace(op.provider.tuning, route_block=16)
+    for op in world.ops:  # blocks of 64 tokens, so that a 65-token batch takes the two-pass routing
+        op.provider.tuning = replace(op.provider.tuning, route_block=64)
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(world.device) for n in tokens]
     ids = [torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.to(world.device) for n in tokens]
@@ -165,9 +168,10 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     assert report["compiled"] == sum(len(v) for v in specs.values())
     narrow = [f"{k}: {v}" for k, v in report["byte_wide"].items() if k.split(" ")[0] in ROW_COPIES and v]
     assert not narrow, "byte-wide global accesses in sm_90 row copies:\n" + "\n".join(narrow)
-    # Every kernel waits for the one before it, and none lets the next one launch early.
+    # Every kernel waits for the one before it; only the routing lets the next one launch early.
     controls = list(report["grid_control"].values())
     assert [c["instructions"] for c in controls[: len(unique)]] == [[]] * len(unique)
     for spec, control in zip(hopper, controls[len(unique) :], strict=True):
-        assert control["instructions"] == ["wait"], spec["kernel"]
+        routing = spec["kernel"] in ("route_count_kernel", "route_kernel")
+        assert control["instructions"] == (["launch_dependents", "wait"] if routing else ["wait"]), spec["kernel"]
         assert control["waits_first"], f"{spec['kernel']} touches global memory before its grid wait"

@@ -25,7 +25,9 @@ POINTER_ALIGN = 16
 
 class BoundLaunch:
     """One kernel with a fixed grid, fixed constexprs and options, and fixed arguments; the arguments
-    named in ``variable`` (tensors) are given per launch, in that order. ``launches`` counts them."""
+    named in ``variable`` (tensors or ints) are given per launch, in that order. ``launches`` counts
+    the launches. After the first launch of a specialization, Triton's pre-run hooks are not called
+    (the provider's kernels have none)."""
 
     def __init__(
         self,
@@ -56,29 +58,42 @@ class BoundLaunch:
         self._stream = driver.active.get_current_stream if device.type == "cuda" else None
         self._device_index = device.index
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        """Launch with the per-launch tensors, in the order ``variable`` named them."""
+    def __call__(self, *values: torch.Tensor | int) -> None:
+        """Launch with the per-launch arguments (tensors or ints), in the order ``variable`` named them."""
         self.launches += 1
         if self._stream is None:
-            self.kernel[self.grid](**self._jit_kwargs, **dict(zip(self._variable, tensors, strict=True)))
+            self.kernel[self.grid](**self._jit_kwargs, **dict(zip(self._variable, values, strict=True)))
             return
-        key = tuple((t.dtype, t.data_ptr() % POINTER_ALIGN == 0) for t in tensors)
+        arguments = self._arguments
+        key = ()
+        if values:
+            arguments = arguments.copy()
+            specialization = []
+            for position, value in zip(self._positions, values):  # noqa: B905 (lengths checked below)
+                if isinstance(value, int):
+                    arguments[position] = value
+                    specialization.append((-(2**31) <= value < 2**31, value == 1, value % POINTER_ALIGN == 0))
+                else:  # a tensor, by address: Triton specializes on its dtype and alignment
+                    address = arguments[position] = value.data_ptr()
+                    specialization.append((value.dtype, address % POINTER_ALIGN == 0))
+            if len(values) != len(self._positions):
+                raise TypeError(f"{len(values)} per-launch arguments for {self._variable}")
+            key = tuple(specialization)
         compiled = self._compiled.get(key)
         if compiled is None:
-            kwargs = dict(zip(self._variable, tensors, strict=True))
+            kwargs = dict(zip(self._variable, values, strict=True))
             self._compiled[key] = self.kernel[self.grid](**self._jit_kwargs, **kwargs)
             return
-        arguments = self._arguments.copy()
-        for position, tensor in zip(self._positions, tensors, strict=True):
-            arguments[position] = tensor.data_ptr()
         stream = self._stream(self._device_index)
+        enter_hook = knobs.runtime.launch_enter_hook
+        metadata = None if enter_hook is None else compiled.launch_metadata(self.grid, stream, *arguments)
         compiled.run(
             *self.grid,
             stream,
             compiled.function,
             compiled.packed_metadata,
-            compiled.launch_metadata(self.grid, stream, *arguments),
-            knobs.runtime.launch_enter_hook,
+            metadata,
+            enter_hook,
             knobs.runtime.launch_exit_hook,
             *arguments,
         )

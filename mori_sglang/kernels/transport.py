@@ -21,14 +21,16 @@ On NVIDIA GPUs from Hopper on, every kernel is launched under programmatic depen
 start while the kernel before it in the stream is still ending, and each of its programs waits for
 that kernel (its end and its writes) before touching memory, so a kernel's end still implies the end
 of everything before it. The launch and the programs' start overlap the kernel before instead of
-following it. ``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
+following it. The routing kernels also let the kernel after them launch as soon as their own wait is
+over: the dispatch send starts while the routing runs, and waits for it before reading its output.
+``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Every row in an arena starts on this many bytes (the host checks it): lets loads and stores through
 # peer pointers read from memory be vectorized.
@@ -66,6 +68,16 @@ def _after_previous_kernel(PDL: tl.constexpr):
     finished and its writes are visible. Every program calls it before its first memory access."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def _routing_start(PDL: tl.constexpr):
+    """Start of a routing kernel: after the kernel before it, let the kernel after it launch now. That
+    kernel waits for the routing's end before touching memory; releasing it only after the routing's
+    own wait keeps at most two grids of the stream in flight."""
+    _after_previous_kernel(PDL)
+    if PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -222,64 +234,35 @@ def _tokens_to(
 
 
 @triton.jit
-def _block_count(
-    ids_ptr, d, b, num_tokens, num_experts, num_local_experts, K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """How many tokens of routing block b go to rank d."""
-    _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
-        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
-    )
-    return tl.sum(goes, 0)
-
-
-@triton.jit
-def _count_before(
+def route_count_kernel(
     ids_ptr,
-    counts_ptr,
-    d,
-    b,
-    target,
+    block_counts_ptr,
     num_tokens,
     num_experts,
     num_local_experts,
     K: tl.constexpr,
     KP: tl.constexpr,
-    W: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
-    COUNT_SPINS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Tokens of the blocks before b that go to rank d: the counts their routing tasks published
-    (``target << 32 | count``), awaited for at most COUNT_SPINS polls; a count not published by then is
-    made here (a count depends on nothing, so no program ever waits on another without bound)."""
-    earlier = tl.arange(0, NBP)
-    lanes = earlier < b
-    words = counts_ptr + earlier * W + d
-    seen = tl.atomic_add(words, 0, mask=lanes, sem="acquire", scope="gpu")
-    missing = lanes & ((seen >> 32) != target)
-    spins = 0
-    while (tl.max(missing.to(tl.int32), 0) > 0) & (spins < COUNT_SPINS):
-        seen = tl.atomic_add(words, 0, mask=lanes, sem="acquire", scope="gpu")
-        missing = lanes & ((seen >> 32) != target)
-        spins += 1
-    before = tl.sum(tl.where(lanes & ~missing, seen - (target << 32), 0), 0)
-    if tl.max(missing.to(tl.int32), 0) > 0:
-        for e in range(0, b):
-            if tl.sum(tl.where(earlier == e, missing.to(tl.int32), 0), 0) > 0:
-                before += _block_count(ids_ptr, d, e, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
-    return before
+    """Program (d, b) counts the tokens of block b that go to rank d (the first pass of the routing
+    when the batch spans several blocks)."""
+    _routing_start(PDL)
+    d = tl.program_id(0)
+    b = tl.program_id(1)
+    _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
+        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
+    )
+    tl.store(block_counts_ptr + d * tl.num_programs(1) + b, tl.sum(goes, 0))
 
 
 @triton.jit
-def _route_task(
-    task,
-    target,
+def route_kernel(
     ids_ptr,
     peer_bases,
     slot_of_pair_ptr,
     row_of_pair_ptr,
-    counts_ptr,
-    routed_ptr,
+    block_counts_ptr,
     send_counts_ptr,
     status_ptr,
     num_tokens,
@@ -290,35 +273,34 @@ def _route_task(
     ROW_BYTES: tl.constexpr,
     K: tl.constexpr,
     KP: tl.constexpr,
-    W: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NBP: tl.constexpr,
-    COUNT_SPINS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Routing task ``b * W + d``: number the tokens of block b that go to rank d, in token order,
-    after those of the earlier blocks, then mark the task routed (``routed[task] = target``, release).
+    """Program (d, b) numbers the tokens of block b that go to rank d, in token order, after the
+    tokens of the earlier blocks (route_count_kernel's counts; one block needs no first pass).
 
     A token goes to d once, through its first top-k slot whose expert lives on d (the owner);
     ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
-    that point at d; tasks of rank 0 also write -1 for dropped slots (id < 0). Same result as
+    that point at d; programs (0, b) also write -1 for dropped slots (id < 0). Same result as
     routing.plan_dispatch. ``row_of_pair`` gets the byte address of the owner's row in rank d's arena
-    (0 for the other slots), so that the send finds its destinations in one load. The task of the last
-    block writes ``send_counts[d]``.
-       An id past the last expert is dropped too, and tasks of rank 0 record ``id + 1`` in ``status[1]``
+    (0 for the other slots), so that the send kernel finds its destinations in one load.
+       An id past the last expert is dropped too, and programs (0, b) record ``id + 1`` in ``status[1]``
     so that the host raises without a synchronisation on the hot path.
     """
-    d = task % W
-    b = task // W
+    _routing_start(PDL)
+    d = tl.program_id(0)
+    b = tl.program_id(1)
+    nb = tl.num_programs(1)
     k_offs = tl.arange(0, KP)
+    if NBP > 1:
+        earlier = tl.arange(0, NBP)
+        before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0)
+    else:
+        before = tl.zeros((), dtype=tl.int64)
     rows, ids, mask, dest, here, first, goes = _tokens_to(
         ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
     )
-    count = tl.sum(goes, 0)
-    tl.atomic_xchg(counts_ptr + task, (target << 32) | count, sem="release", scope="gpu")
-    before = _count_before(
-        ids_ptr, counts_ptr, d, b, target, num_tokens, num_experts, num_local_experts,
-        K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
-    )  # fmt: skip
     position = before + tl.cumsum(goes, 0) - goes
     owner = here & (k_offs[None, :] == first[:, None])
     slot = tl.where(owner, d * max_tokens + position[:, None], -1)
@@ -333,66 +315,8 @@ def _route_task(
         too_big = tl.max(tl.where(mask & (ids >= num_experts), ids + 1, 0))
         if too_big > 0:
             tl.atomic_max(status_ptr + 1, too_big)
-    if b == tl.cdiv(num_tokens, BLOCK_N) - 1:
-        tl.store(send_counts_ptr + d, before + count)
-    elif num_tokens == 0:
-        tl.store(send_counts_ptr + d, 0)
-    tl.debug_barrier()  # every thread's stores precede the mark
-    tl.atomic_xchg(routed_ptr + task, target, sem="release", scope="gpu")
-
-
-@triton.jit
-def _await_block(
-    b,
-    target,
-    ids_ptr,
-    peer_bases,
-    slot_of_pair_ptr,
-    row_of_pair_ptr,
-    counts_ptr,
-    routed_ptr,
-    claims_ptr,
-    send_counts_ptr,
-    status_ptr,
-    num_tokens,
-    num_experts,
-    num_local_experts,
-    rank,
-    max_tokens,
-    ROW_BYTES: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
-    COUNT_SPINS: tl.constexpr,
-):
-    """Return once every rank's routing task of block b is done (acquire), taking over the ones no
-    program has claimed yet: the tasks a wait depends on are all running or done, so the send makes
-    progress however its programs are scheduled (in Triton's interpreter, one after another)."""
-    w_offs = tl.arange(0, WP)
-    lanes = w_offs < W
-    tasks = b * W + w_offs
-    late = lanes & (tl.atomic_add(routed_ptr + tasks, 0, mask=lanes, sem="acquire", scope="gpu") < target)
-    while tl.max(late.to(tl.int32), 0) > 0:
-        claimed = late & (tl.atomic_max(claims_ptr + tasks, target, mask=late, sem="relaxed", scope="gpu") < target)
-        if tl.max(claimed.to(tl.int32), 0) > 0:
-            for d in range(W):  # a loop, not unrolled: one copy of the task's code
-                if tl.sum(tl.where(w_offs == d, claimed.to(tl.int32), 0), 0) > 0:
-                    _route_task(
-                        b * W + d, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, counts_ptr,
-                        routed_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank,
-                        max_tokens, ROW_BYTES, K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
-                    )  # fmt: skip
-        late = lanes & (tl.atomic_add(routed_ptr + tasks, 0, mask=lanes, sem="acquire", scope="gpu") < target)
-    tl.debug_barrier()  # every thread of the program reads the routing after the acquire
-
-
-@triton.jit
-def _claim(claims_ptr, task, target):
-    """Whether this program takes routing task ``task`` of round ``target`` (no other program has)."""
-    return tl.atomic_max(claims_ptr + task, target, sem="relaxed", scope="gpu") < target
+    if b == nb - 1:
+        tl.store(send_counts_ptr + d, before + tl.sum(goes, 0))
 
 
 @triton.jit
@@ -427,23 +351,14 @@ def dispatch_send_kernel(
     scales_ptr,
     weights_ptr,
     ids_ptr,
-    slot_of_pair_ptr,
     row_of_pair_ptr,
-    block_counts_ptr,
-    routed_ptr,
-    claims_ptr,
     send_counts_ptr,
-    status_ptr,
     tickets_ptr,
     round_ptr,
     num_tokens,
-    num_experts,
-    num_local_experts,
     rank,
-    max_tokens,
     counts_offset,
     arrivals_offset,
-    ROW_BYTES: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     STRIDE_WORDS: tl.constexpr,
@@ -464,25 +379,16 @@ def dispatch_send_kernel(
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
     EMAX: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
-    COUNT_SPINS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Route the batch, then read each token once and write its packed row (token | zero-padded scale
-    row | weights | ids) into the slot of every distinct destination rank, all destinations in one
-    store per tile. QUANT
+    """Read each token once and write its packed row (token | zero-padded scale row | weights | ids)
+    into the slot of every distinct destination rank, all destinations in one store per tile. QUANT
     quantizes the bf16 token on the way, exactly as formats.quantize_dispatch: 1 = fp8 (f32 scale per
     128), 2 = mxfp8, 3 = mxfp4 (e8m0 per 32, EMAX the element type's largest exponent); with 0 the
     payload words are copied as they are.
        A work item is one tile (TILE_GROUPS scale groups, or BLOCK words when copying) of one token, so
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
-    tile 0 also writes the pad, the weights and the ids.
-       The routing runs in the same launch: it is split into tasks (a block of BLOCK_N tokens, one
-    destination rank; ``_route_task``), which the programs claim first, task ``pid`` and every
-    ``num_programs``-th after it; a program waits for the routing of a token's block before sending
-    it, and takes over the tasks of that block that nobody claimed (``_await_block``). The claims, the
-    published counts and the marks hold the round, so they are never reset. The inputs are read as the caller made them:
+    tile 0 also writes the pad, the weights and the ids. The inputs are read as the caller made them:
     the tokens' words and the scale rows' words whatever their dtype, f32 or 16-bit weights (sent as
     f32), int32 or int64 ids (sent as int32, as ``Tensor.int`` makes them).
        A program loads its next item's input before it works on the current one, so that two items'
@@ -493,31 +399,15 @@ def dispatch_send_kernel(
     total = num_tokens * TILES
     TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
     x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
-    target = tl.load(round_ptr) + 1  # this send's round: the last program advances round_ptr to it
-    for task in range(pid, tl.maximum(tl.cdiv(num_tokens, BLOCK_N), 1) * W, tl.num_programs(0)):
-        if _claim(claims_ptr, task, target):
-            _route_task(
-                task, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr, routed_ptr,
-                send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES,
-                K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
-            )  # fmt: skip
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    routed = -1  # the last block this program saw routed (its tokens only grow)
     for item in range(pid, total, tl.num_programs(0)):
         x_now = x_next
         following = item + tl.num_programs(0)
         x_next = _token_tile(x_ptr, following, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
         n = item // TILES
         tile = item % TILES
-        if n // BLOCK_N > routed:
-            routed = n // BLOCK_N
-            _await_block(
-                routed, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr, routed_ptr,
-                claims_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank, max_tokens,
-                ROW_BYTES, K, KP, W, WP, BLOCK_N, NBP, COUNT_SPINS,
-            )  # fmt: skip
         rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
         present = rows != 0
         if (QUANT == 1) or (QUANT == 2):

@@ -50,10 +50,8 @@ class KernelTuning:
     """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
     (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
 
-    # Tokens per routing task of the dispatch send (one task per block and destination): its tensors
-    # live in the send's registers, which are few (one warp), so that the routing costs the send none
-    # of its programs per SM.
-    route_block: int = 32
+    route_block: int = 256  # tokens per routing program; larger batches get more programs
+    route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
     send_programs_per_sm: int = 48
@@ -88,25 +86,18 @@ class KernelTuning:
             value = getattr(self, name)
             if value < MIN_TILE or value & (value - 1):
                 raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {MIN_TILE}")
-        if self.route_block < MIN_ROUTE_BLOCK or self.route_block & (self.route_block - 1):
-            raise ValueError(
-                f"KernelTuning.route_block={self.route_block}: a power of two of at least {MIN_ROUTE_BLOCK} tokens"
-            )
 
 
 TILE_FIELDS = (
+    "route_block",
     "send_tile",
     "copy_block",
     "combine_send_tile",
     "combine_recv_tile",
     "combine_recv_tile_fp8",
 )
+# The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
 MIN_TILE = 64
-# The smallest routing block: it bounds how many routing tasks a batch can make.
-MIN_ROUTE_BLOCK = 16
-# Polls a routing task waits for an earlier block's count before it counts that block itself: about
-# the time a task takes on a GPU; none in the interpreter, whose programs run one after another.
-COUNT_SPINS = 64
 # The fewest and the most programs per SM of the dispatch receive, whatever its rows' size.
 DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
 
@@ -187,12 +178,8 @@ class TritonProvider:
         self._no_scales = torch.zeros(1, dtype=torch.int32, device=device)  # the scale words when none travel
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
-        # Per routing task (block, destination) of the dispatch send, each holding the round it was last
-        # used in: its published count (round << 32 | count), whether it is done, who claimed it.
-        tasks = config.world_size * max(1, triton.cdiv(config.max_tokens_per_rank, MIN_ROUTE_BLOCK))
-        self._route_counts = torch.zeros(tasks, dtype=torch.int64, device=device)
-        self._routed = torch.zeros(tasks, dtype=torch.int64, device=device)
-        self._route_claims = torch.zeros(tasks, dtype=torch.int64, device=device)
+        route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
+        self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         # Each copy's slot (for the combine) and destination row address (for the send right after the
         # routing), made by the routing; a dispatch's handle views the first rows.
         self._slot_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
@@ -223,11 +210,11 @@ class TritonProvider:
         self._max_spins = spins
         self._launches.clear()
 
-    def _cached(self, key: tuple, make: Callable[[], object]):
-        """What ``make`` builds for ``key`` (a launch plan or a view), built on first use."""
+    def _cached(self, key: tuple, make: Callable[..., object], *args: object):
+        """What ``make(*args)`` builds for ``key`` (a launch plan or a view), built on first use."""
         found = self._launches.get(key)
         if found is None:
-            found = self._launches[key] = make()
+            found = self._launches[key] = make(*args)
         return found
 
     def launch_count(self) -> int:
@@ -293,22 +280,66 @@ class TritonProvider:
         dtype as words); only a tensor that is not contiguous is copied."""
         self._ensure_peers()
         num_tokens = payload.shape[0]
-        tensors = [_contiguous(payload), _contiguous(weights), _contiguous(ids)]
-        if scales is not None:
-            tensors.append(_contiguous(scales))
-        send = self._cached(
-            ("dispatch", num_tokens, quantize, scales is not None),
-            lambda: self._dispatch_send_launch(num_tokens, layout, quantize, scales is not None),
+        with_scales = scales is not None
+        route_count, route, send = self._cached(
+            ("dispatch", num_tokens, quantize, with_scales),
+            self._dispatch_launches,
+            num_tokens,
+            layout,
+            quantize,
+            with_scales,
         )
-        send(*tensors)
+        ids = _contiguous(ids)
+        if route_count is not None:
+            route_count(ids)
+        route(ids)
+        if with_scales:
+            send(_contiguous(payload), _contiguous(weights), ids, _contiguous(scales))
+        else:
+            send(_contiguous(payload), _contiguous(weights), ids)
         self._sent = num_tokens
 
-    def _dispatch_send_launch(
+    def _dispatch_launches(
         self, num_tokens: int, layout: formats.DispatchRowLayout, quantize: bool, with_scales: bool
-    ) -> BoundLaunch:
-        """The send of a batch of ``num_tokens``, its routing included."""
+    ) -> tuple[BoundLaunch | None, BoundLaunch, BoundLaunch]:
+        """The routing (one or two kernels) and the send of a batch of ``num_tokens``."""
         cfg = self.config
-        blocks = max(1, triton.cdiv(num_tokens, self.tuning.route_block))
+        # Programs (destination, block of tokens); a batch of several blocks counts per block first.
+        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(num_tokens), MIN_TILE))
+        blocks = max(1, triton.cdiv(num_tokens, route_block))
+        route_meta = {
+            "K": cfg.topk,
+            "KP": triton.next_power_of_2(cfg.topk),
+            "BLOCK_N": route_block,
+            "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
+        }
+        experts = {"num_tokens": num_tokens, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_local_experts}
+        route_count = None
+        if blocks > 1:
+            route_count = self._bind(
+                transport.route_count_kernel,
+                (cfg.world_size, blocks),
+                {"block_counts_ptr": self._block_counts, **experts},
+                route_meta,
+                ("ids_ptr",),
+            )
+        route = self._bind(
+            transport.route_kernel,
+            (cfg.world_size, blocks),
+            {
+                "peer_bases": self.arena.peer_bases,
+                "slot_of_pair_ptr": self._slot_of_pair,
+                "row_of_pair_ptr": self._row_of_pair,
+                "block_counts_ptr": self._block_counts,
+                "send_counts_ptr": self.send_counts,
+                "status_ptr": self._status.flags,
+                **experts,
+                "rank": cfg.rank,
+                "max_tokens": cfg.max_tokens_per_rank,
+            },
+            {**route_meta, "ROW_BYTES": layout.row_bytes, "NBP": triton.next_power_of_2(blocks) if blocks > 1 else 1},
+            ("ids_ptr",),
+        )
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         tile_groups = max(1, self.tuning.send_tile // group)
         if quantize:
@@ -317,26 +348,18 @@ class TritonProvider:
             tiles = triton.cdiv(_words(layout.token_bytes), self.tuning.copy_block)
         fixed = {
             "peer_bases": self.arena.peer_bases,
-            "slot_of_pair_ptr": self._slot_of_pair,
             "row_of_pair_ptr": self._row_of_pair,
-            "block_counts_ptr": self._route_counts,
-            "routed_ptr": self._routed,
-            "claims_ptr": self._route_claims,
             "send_counts_ptr": self.send_counts,
-            "status_ptr": self._status.flags,
             "tickets_ptr": self._ticket("dispatch_send"),
             "round_ptr": self.rounds[0],
             "num_tokens": num_tokens,
-            "num_experts": cfg.num_experts,
-            "num_local_experts": cfg.num_local_experts,
             "rank": cfg.rank,
-            "max_tokens": cfg.max_tokens_per_rank,
             "counts_offset": self.arena_layout.counts_offset,
             "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
         }
         if not with_scales:
             fixed["scales_ptr"] = self._no_scales
-        return self._bind(
+        send = self._bind(
             transport.dispatch_send_kernel,
             self._grid(self.tuning.send_programs_per_sm, num_tokens * tiles),
             fixed,
@@ -354,15 +377,12 @@ class TritonProvider:
                 "FP8_MAX": formats.fp8_max(self.fp8_dtype),
                 "FP8": self.fp8_name,
                 "EMAX": formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
-                "ROW_BYTES": layout.row_bytes,
-                "BLOCK_N": self.tuning.route_block,
-                "NBP": triton.next_power_of_2(blocks),
-                "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
                 "enable_fp_fusion": False,
                 "num_warps": self.tuning.send_warps,
             },
             ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
+        return route_count, route, send
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
         """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""
@@ -392,10 +412,10 @@ class TritonProvider:
         if self._sent is None:
             self._refuse_receive("dispatch")
         num_tokens, self._sent = self._sent, None  # each send is received once
-        recv = self._cached(("dispatch_recv",), lambda: self._dispatch_recv_launch(layout))
+        recv = self._cached(("dispatch_recv",), self._dispatch_recv_launch, layout)
         recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
-        slots = self._cached(("slot_of_pair", num_tokens), lambda: self._slot_of_pair[:num_tokens])
+        slots = self._cached(("slot_of_pair", num_tokens), self._slot_of_pair.narrow, 0, 0, num_tokens)
         handle = CombineHandle(
             num_tokens=num_tokens,
             copy_of_pair=slots,
@@ -405,7 +425,7 @@ class TritonProvider:
             recv_counts=self.recv_counts,
             num_recv=self.num_recv,
         )
-        tokens, scales = self._cached(("dispatch_out", token_dtype), lambda: self._dispatch_views(layout, token_dtype))
+        tokens, scales = self._cached(("dispatch_out", token_dtype), self._dispatch_views, layout, token_dtype)
         return DispatchOutput(
             tokens=tokens,
             topk_weights=self.weights_out,
@@ -513,7 +533,7 @@ class TritonProvider:
             self._refuse_receive("combine")
         handle, self._combine_handle = self._combine_handle, None
         num_tokens = handle.num_tokens
-        recv, out = self._cached(("combine_recv", num_tokens), lambda: self._combine_recv_launch(num_tokens))
+        recv, out = self._cached(("combine_recv", num_tokens), self._combine_recv_launch, num_tokens)
         recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         return out
