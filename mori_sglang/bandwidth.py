@@ -19,9 +19,9 @@ import triton
 import triton.testing
 
 from mori_sglang.bench import copy_bandwidth, roofline_bytes, time_phases
+from mori_sglang.cli import resolve_device
 from mori_sglang.kernels.probes import fan_out_kernel
 from mori_sglang.providers.triton_provider import INTERPRETER_PROGRAMS, multiprocessors
-from mori_sglang.roundtrip import resolve_device
 
 # (warps, programs per SM): the dispatch send's shape and two wider ones.
 FAN_OUT_SHAPES = ((1, 32), (2, 16), (4, 8))

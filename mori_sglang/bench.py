@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from mori_sglang import formats
+from mori_sglang.cli import resolve_device
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
-from mori_sglang.roundtrip import resolve_device
 from mori_sglang.routing import owning_destinations
 
 if TYPE_CHECKING:

@@ -83,6 +83,7 @@ class EpConfig:
     ``scale_bytes`` is the opaque per-token scale row the sender attaches to each dispatched token;
     None means the natural row of ``dispatch_dtype`` (224 B at hidden 7168 for fp8 / mxfp8 / fp4,
     none for bf16). ``combine_block`` is the blockwise-fp8 combine block in elements.
+    ``peer_timeout_s``: how long a receive waits for a peer that never sends (SGLANG_MORI_PEER_TIMEOUT_S).
     """
 
     world_size: int
@@ -98,6 +99,7 @@ class EpConfig:
     scale_bytes: int | None = None
     fp8_dtype: torch.dtype | None = None
     combine_block: int = DEFAULT_COMBINE_BLOCK
+    peer_timeout_s: float = env.DEFAULT_PEER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for knob, enum_cls in (
@@ -120,8 +122,16 @@ class EpConfig:
             )
         if not 1 <= self.topk <= self.num_experts:
             raise ConfigError(f"topk={self.topk} must be in [1, num_experts={self.num_experts}]")
-        if self.max_tokens_per_rank < 1:
-            raise ConfigError(f"max_tokens_per_rank={self.max_tokens_per_rank} must be >= 1")
+        if not 1 <= self.max_tokens_per_rank <= env.MAX_TOKENS_PER_RANK:
+            raise ConfigError(
+                f"max_tokens_per_rank={self.max_tokens_per_rank} (SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK, "
+                f"vLLM's --max-num-batched-tokens) must be in [1, {env.MAX_TOKENS_PER_RANK}]"
+            )
+        if not 0 < self.peer_timeout_s < math.inf:
+            raise ConfigError(
+                f"peer_timeout_s={self.peer_timeout_s} (SGLANG_MORI_PEER_TIMEOUT_S) must be a finite number of "
+                "seconds > 0"
+            )
         if self.hidden < 1:
             raise ConfigError(f"hidden={self.hidden} must be >= 1")
         if self.fp8_dtype is not None and self.fp8_dtype not in FP8_TYPES.values():
@@ -190,6 +200,7 @@ class EpConfig:
             "provider": Provider(env.get_choice("SGLANG_MORI_BACKEND", environ)),
             "fp8_dtype": None if fp8_name == "auto" else FP8_TYPES[fp8_name],
             "combine_block": combine_block_from_scale_dim(hidden, scale_dim),
+            "peer_timeout_s": env.get_seconds("SGLANG_MORI_PEER_TIMEOUT_S", environ),
         }
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 BOOL_TRUE = ("1", "true", "yes", "on")
+# The most tokens one rank may dispatch per call: far above any serving batch, and small enough that
+# every row index of the buffers stays well inside int32.
+MAX_TOKENS_PER_RANK = 1 << 20
+DEFAULT_PEER_TIMEOUT_S = 120
 BOOL_FALSE = ("0", "false", "no", "off", "")
 
 
@@ -29,14 +34,19 @@ class EnvVar:
     default: str
     help: str
     choices: tuple[str, ...] | None = None
-    kind: str = "choice"  # choice | bool | int
+    kind: str = "choice"  # choice | bool | int | seconds
     minimum: int = 1  # the smallest integer accepted (kind int)
+    maximum: int | None = None  # the largest integer accepted (kind int), None: no bound
 
     def accepted(self) -> str:
         if self.kind == "bool":
             return "0/1 (true/false)"
         if self.kind == "int":
+            if self.maximum is not None:
+                return f"integer in [{self.minimum}, {self.maximum}]"
             return "integer > 0" if self.minimum == 1 else f"integer >= {self.minimum}"
+        if self.kind == "seconds":
+            return "number of seconds > 0"
         return " \\| ".join(self.choices or ())
 
 
@@ -80,6 +90,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Buffer capacity: the most tokens one rank may dispatch in one call. A larger batch is an error. "
         "SGLang only: under vLLM, --max-num-batched-tokens sets it.",
         kind="int",
+        maximum=MAX_TOKENS_PER_RANK,
     ),
     EnvVar(
         "SGLANG_MORI_SPLIT_DISPATCH_COMBINE",
@@ -139,6 +150,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         kind="bool",
     ),
     EnvVar(
+        "SGLANG_MORI_PEER_TIMEOUT_S",
+        str(DEFAULT_PEER_TIMEOUT_S),
+        "How long a receive waits for a peer that never sends before it raises PeerTimeoutError naming "
+        "both ranks (wall-clock seconds; Triton provider in every mode, torch provider over gloo; over NCCL the "
+        "process group's timeout applies).",
+        kind="seconds",
+    ),
+    EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
         "",
         "Scales per token of MoRI's blockwise fp8 combine; the block is ceil(hidden / value). On native MoRI "
@@ -196,7 +215,23 @@ def get_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     if number < var.minimum:
         accepted = "a positive integer" if var.minimum == 1 else f"an integer >= {var.minimum}"
         raise EnvError(f"{name}={number} must be {accepted}")
+    if var.maximum is not None and number > var.maximum:
+        raise EnvError(f"{name}={number} exceeds {var.maximum}, the largest value accepted")
     return number
+
+
+def get_seconds(name: str, environ: Mapping[str, str] | None = None) -> float:
+    """A positive, finite number of seconds."""
+    var = ENV_BY_NAME[name]
+    value = _raw(name, environ)
+    value = var.default if value is None or value == "" else value
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise EnvError(f"{name}={value!r} is not a number; use a number of seconds > 0") from None
+    if not 0 < seconds < float("inf"):
+        raise EnvError(f"{name}={value!r} must be a finite number of seconds > 0")
+    return seconds
 
 
 def markdown_table() -> str:
@@ -208,16 +243,37 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# How each kind of variable is read (and checked); every EnvVar.kind has one.
+READERS = {"choice": get_choice, "bool": get_bool, "int": get_int, "seconds": get_seconds}
+
+
+def check(var: EnvVar, environ: Mapping[str, str] | None = None) -> None:
+    """Raise EnvError where the variable holds a value the project does not accept."""
+    READERS[var.kind](var.name, environ)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print every variable as the project reads it (its value, or the default), after checking it."""
+    parser = argparse.ArgumentParser(prog="python -m mori_sglang.env", description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the README table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.markdown:
         print(markdown_table())
-    else:
-        for var in ENV_VARS:
-            print(f"{var.name}={os.environ.get(var.name, var.default)}")
+        return 0
+    errors = []
+    for var in ENV_VARS:
+        try:
+            check(var)
+        except EnvError as e:
+            errors.append(str(e))
+    if errors:
+        for error in errors:
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    for var in ENV_VARS:
+        print(f"{var.name}={os.environ.get(var.name, var.default)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

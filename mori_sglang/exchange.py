@@ -3,20 +3,29 @@
 The torch provider moves packed uint8 wire rows through one of these. Every exchange is split into
 post (at send time) and wait (at receive time), so a loopback world can drive all ranks' sends, then
 all ranks' receives, from one thread, and a distributed group overlaps the transfer with compute.
+
+A wait gives up on a peer that never sends after SGLANG_MORI_PEER_TIMEOUT_S: over gloo each peer's
+rows come through a receive of their own, waited with the time left, so the error names the peer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from mori_sglang.env import DEFAULT_PEER_TIMEOUT_S
+from mori_sglang.types import PeerTimeoutError, peer_timeout_error
 
-class ExchangeError(RuntimeError):
-    """A receive was asked for before every rank posted its send."""
+
+class ExchangeError(PeerTimeoutError):
+    """A loopback receive was asked for before every rank posted its send: one thread drives every
+    rank, so the peer will never send and the receive gives up at once."""
 
 
 class Pending(Protocol):
@@ -43,18 +52,62 @@ class Exchange(Protocol):
 
 
 class DistExchange:
-    """all_to_all_single over a ProcessGroup (gloo, NCCL, RCCL; across nodes)."""
+    """all_to_all_single over a ProcessGroup (NCCL, RCCL; across nodes), or over gloo a send and a
+    receive per peer, each receive waited with what is left of ``timeout_s``."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self._per_peer = dist.get_backend(group) == "gloo"
 
     def _counts_device(self, rows: torch.Tensor) -> torch.device:
         backend = dist.get_backend(self.group)
         return torch.device("cpu") if backend == "gloo" else rows.device
 
+    def _post_per_peer(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """Send ``sends[p]`` to and receive ``recvs[p]`` from every peer p (CPU tensors, gloo); the
+        returned wait raises PeerTimeoutError naming the first peer whose rows miss the deadline."""
+        works = []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                recvs[peer].copy_(sends[peer])
+                continue
+            global_peer = peer if self.group is None else dist.get_global_rank(self.group, peer)
+            sent = dist.isend(sends[peer].contiguous(), global_peer, group=self.group)
+            works.append((peer, dist.irecv(recvs[peer], global_peer, group=self.group), sent))
+        deadline = time.monotonic() + self.timeout_s
+
+        def wait() -> None:
+            for peer, received, sent in works:
+                for work in (received, sent):
+                    left = max(deadline - time.monotonic(), 0.001)
+                    try:
+                        work.wait(timeout=datetime.timedelta(seconds=left))
+                    except RuntimeError as error:
+                        raise peer_timeout_error(self.rank, peer, self.timeout_s) from error
+
+        return wait
+
+    def _variable_per_peer(self, rows: torch.Tensor, send_counts: list[int]) -> Pending:
+        counts = torch.tensor(send_counts, dtype=torch.int64)
+        recv_counts_t = torch.empty_like(counts)
+        self._post_per_peer(list(counts.split(1)), list(recv_counts_t.split(1)))()
+        recv_counts = recv_counts_t.tolist()
+        host = rows.cpu()
+        out = torch.empty((sum(recv_counts), *rows.shape[1:]), dtype=rows.dtype)
+        wait = self._post_per_peer(list(host.split(send_counts)), list(out.split(recv_counts)))
+
+        def finish() -> tuple[torch.Tensor, list[int] | None]:
+            wait()
+            return out.to(rows.device), recv_counts
+
+        return _Done(finish)
+
     def variable(self, rows: torch.Tensor, send_counts: list[int]) -> Pending:
+        if self._per_peer:
+            return self._variable_per_peer(rows, send_counts)
         device = self._counts_device(rows)
         counts = torch.tensor(send_counts, dtype=torch.int64, device=device)
         recv_counts_t = torch.empty_like(counts)
@@ -74,6 +127,14 @@ class DistExchange:
         if dist.get_backend(self.group) == "gloo" and chunks.is_cuda:
             send = chunks.cpu()
         out = torch.empty_like(send)
+        if self._per_peer:
+            wait = self._post_per_peer(list(send.contiguous()), list(out))
+
+            def finish_per_peer() -> tuple[torch.Tensor, list[int] | None]:
+                wait()
+                return out.to(chunks.device), None
+
+            return _Done(finish_per_peer)
         work = dist.all_to_all_single(out, send.contiguous(), group=self.group, async_op=True)
 
         def finish() -> tuple[torch.Tensor, list[int] | None]:
@@ -115,7 +176,9 @@ class LoopbackHub:
         if missing:
             raise ExchangeError(
                 f"rank {rank} waits on exchange #{seq} but ranks {missing} have not posted it; in a loopback "
-                "world call every rank's *_send before any rank's *_recv"
+                f"world call every rank's *_send before any rank's *_recv (rank {missing[0]} would never send: "
+                "one thread drives every rank, so the receive gives up at once instead of waiting "
+                "SGLANG_MORI_PEER_TIMEOUT_S)"
             )
         items = [posted[r] for r in range(self.world_size)]
         self.taken[seq] = self.taken.get(seq, 0) + 1

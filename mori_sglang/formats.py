@@ -6,14 +6,25 @@ where it is compatible) must produce the same bytes. They run on any device.
 Combine rows (expert output travelling back to its source):
   bf16                  [hidden x bf16]
   fp8_direct_cast       [hidden x fp8]                       saturating round-to-nearest-even cast
-  fp8_blockwise         [hidden x fp8 | n_blocks x f32]      scale = amax / fp8_max per block
+  fp8_blockwise         [hidden x fp8 | pad to 4 B | n_blocks x f32]   scale = amax / fp8_max per block
   fp8_blockwise_native  same layout, native MoRI's scales    1.0 unless amax > fp8_max; sign of
                                                              scales[0] set when any block is scaled
 Dispatch payloads (the sender quantizes once; the scale row is opaque to the transport):
   bf16   [hidden x bf16]
-  fp8    [hidden x fp8]         + f32 per 128 elements   (scale row 4 * hidden / 128 B)
-  mxfp8  [hidden x fp8]         + e8m0 byte per 32
-  fp4    [hidden / 2 x uint8]   + e8m0 byte per 32       (e2m1, low nibble = even element)
+  fp8    [hidden x fp8]         + f32 per 128 elements   (scale row 4 * ceil(hidden / 128) B)
+  mxfp8  [hidden x fp8]         + e8m0 byte per 32       (scale row ceil(hidden / 32) B, zero-padded to dwords)
+  fp4    [hidden / 2 x uint8]   + e8m0 byte per 32       (e2m1, low nibble = even element; hidden even)
+
+A hidden size that is not a multiple of the block (or group) ends in a partial last block with its own
+scale, computed from the elements it holds (2880 = 22.5 x 128: 23 fp8 scales, the last for 64 elements).
+
+Non-finite values (docs/api.md, "NaN and infinity"): a block's or group's scale comes from its largest
+magnitude with NaN counted as 0. A NaN stays a NaN in its own element wherever the element type holds
+one (the canonical quiet NaN of the fp8 flavour); an infinity makes its whole block or group decode to
+NaN (f32 scales become +inf over zeroed elements, e8m0 scales the NaN code 0xFF); fp4 has no NaN, so
+a NaN makes its group's scale 0xFF too. bf16 passes everything through; fp8_direct_cast saturates
+±inf to ±fp8_max. A block whose largest magnitude is tiny takes the scale of fp8_max * 2^-126, so that
+its inverse stays finite: it decodes to its values as far as fp8 resolves them, never to NaN.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ SCALE_ROW_ALIGN = 128
 DISPATCH_FP8_GROUP = 128
 MX_GROUP = 32
 E8M0_BIAS = 127
+E8M0_NAN = 0xFF  # the e8m0 NaN code: its whole group decodes to NaN
 FP4_E2M1_EMAX = 2  # exponent of the largest e2m1 power of two (4)
 FP4_E2M1_MAX = 6.0
 # Non-negative e2m1 values by code 0..7.
@@ -58,9 +70,46 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
 
 
 def saturating_fp8_cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Round to nearest even and saturate at ±max (torch's e4m3fnuz cast overflows to NaN without it)."""
+    """Round to nearest even and saturate at ±max (torch's e4m3fnuz cast overflows to NaN without it).
+    Every NaN becomes the flavour's canonical NaN (a NaN's sign and payload depend on the hardware that
+    made it: x86 makes negative ones)."""
     limit = fp8_max(fp8_dtype)
-    return x.float().clamp(-limit, limit).to(fp8_dtype)
+    v = x.float().clamp(-limit, limit)
+    return torch.where(v.isnan(), torch.full_like(v, math.nan), v).to(fp8_dtype)
+
+
+def min_block_amax(fp8_dtype: torch.dtype) -> float:
+    """The smallest largest-magnitude a scaled fp8 block is quantized with: fp8_max * 2^-126, whose
+    scale (2^-126) and inverse (2^126) are exact normal f32 numbers; a smaller one would make the
+    inverse overflow to inf and the block decode to NaN (0 x inf)."""
+    return fp8_max(fp8_dtype) * 2.0**-126
+
+
+def num_blocks(hidden: int, block: int) -> int:
+    """Blocks (or groups) of a row: the last one is partial when ``block`` does not divide ``hidden``."""
+    return -(-hidden // block)
+
+
+def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``[R, hidden]`` -> f32 ``[R, n_blocks, block]``, the partial last block padded with zeros."""
+    rows, hidden = x.shape
+    blocks = num_blocks(hidden, block)
+    xf = x.float()
+    pad = blocks * block - hidden
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    return xf.view(rows, blocks, block)
+
+
+def _unblocked(x: torch.Tensor, hidden: int) -> torch.Tensor:
+    """Inverse of ``_blocked``: drop the padding of the last block."""
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2])[:, :hidden]
+
+
+def _finite_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Per-block max |x| with NaN counted as 0 (as native MoRI's bit-pattern max does); inf stays."""
+    a = blocks.abs()
+    return torch.where(a.isnan(), torch.zeros_like(a), a).amax(dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,10 +137,9 @@ def row_bytes(t: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_blocks(hidden: int, block: int, knob: str) -> int:
-    if hidden % block:
-        raise FormatError(f"hidden={hidden} is not a multiple of the {knob} block ({block} elements)")
-    return hidden // block
+def combine_scale_offset(hidden: int) -> int:
+    """Where a blockwise row's f32 scales start: after the fp8 elements, aligned to 4 bytes."""
+    return _align(hidden, 4)
 
 
 def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = 128) -> int:
@@ -101,14 +149,8 @@ def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = 128) -> int
     if dtype is CombineDtype.FP8_DIRECT_CAST:
         return hidden
     if dtype in (CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE):
-        return hidden + 4 * _check_blocks(hidden, block, "blockwise fp8 combine")
+        return combine_scale_offset(hidden) + 4 * num_blocks(hidden, block)
     raise ConfigError(f"combine dtype {dtype.value} has no reference wire format; use bf16, fp8 or fp8_direct_cast")
-
-
-def _block_amax(y: torch.Tensor, block: int) -> torch.Tensor:
-    """Per-block max |y| in f32 with NaN counted as 0 (as native MoRI's bit-pattern max does)."""
-    a = y.float().abs().nan_to_num(nan=0.0)
-    return a.view(y.shape[0], y.shape[1] // block, block).amax(dim=2)
 
 
 def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtype, block: int = 128) -> torch.Tensor:
@@ -118,28 +160,29 @@ def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtyp
         return y.to(torch.bfloat16).contiguous().view(torch.uint8)
     if dtype is CombineDtype.FP8_DIRECT_CAST:
         return saturating_fp8_cast(y, fp8_dtype).view(torch.uint8)
-    n_blocks = hidden // block
-    combine_row_bytes(dtype, hidden, block)  # validates the block
-    amax = _block_amax(y, block)
-    limit = fp8_max(fp8_dtype)
-    xf = y.float().view(rows, n_blocks, block)
+    row_bytes = combine_row_bytes(dtype, hidden, block)
+    xf = _blocked(y, block)
+    amax = _finite_amax(xf)
+    limit = torch.full_like(amax, fp8_max(fp8_dtype))
+    ones = torch.ones_like(amax)
     if dtype is CombineDtype.FP8_BLOCKWISE:
         # Divide by a tensor, never a Python scalar: torch turns a scalar divisor into a multiply by its
         # reciprocal on GPUs (not on CPUs), which rounds differently from the kernels' true division.
-        scales = torch.where(amax > 0, amax / torch.full_like(amax, limit), torch.ones_like(amax))
-        safe_amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-        inv = torch.where(amax > 0, torch.full_like(amax, limit) / safe_amax, torch.ones_like(amax))
+        nonzero = amax > 0
+        clamped = amax.clamp(min=min_block_amax(fp8_dtype))
+        scales = torch.where(nonzero, clamped / limit, ones)
+        inv = torch.where(nonzero, limit / clamped, ones)
         q = saturating_fp8_cast(xf * inv[:, :, None], fp8_dtype)
     else:
         scaled = amax > limit
-        scales = torch.where(scaled, amax * (1.0 / limit), torch.ones_like(amax))
-        inv = torch.where(scaled, torch.full_like(amax, limit) / amax, torch.ones_like(amax))
+        scales = torch.where(scaled, amax * (1.0 / fp8_max(fp8_dtype)), ones)
+        inv = torch.where(scaled, limit / amax, ones)
         q = saturating_fp8_cast(torch.where(scaled[:, :, None], xf * inv[:, :, None], xf), fp8_dtype)
         flag = scaled.any(dim=1)
         scales[:, 0] = torch.where(flag, -scales[:, 0], scales[:, 0])
-    out = torch.empty(rows, hidden + 4 * n_blocks, dtype=torch.uint8, device=y.device)
-    out[:, :hidden] = q.view(rows, hidden).view(torch.uint8)
-    out[:, hidden:] = scales.contiguous().view(torch.uint8)
+    out = torch.zeros(rows, row_bytes, dtype=torch.uint8, device=y.device)
+    out[:, :hidden] = _unblocked(q.view(torch.uint8), hidden)
+    out[:, combine_scale_offset(hidden) :] = scales.contiguous().view(torch.uint8)
     return out
 
 
@@ -147,18 +190,18 @@ def dequantize_combine(
     rows: torch.Tensor, dtype: CombineDtype, hidden: int, fp8_dtype: torch.dtype, block: int = 128
 ) -> torch.Tensor:
     """Wire rows -> f32 ``[R, hidden]``, the values the receiver accumulates."""
-    n = rows.shape[0]
     if dtype is CombineDtype.BF16:
         return rows.contiguous().view(torch.bfloat16).float()
     q = rows[:, :hidden].contiguous().view(fp8_dtype).float()
     if dtype is CombineDtype.FP8_DIRECT_CAST:
         return q
-    n_blocks = hidden // block
-    scales = rows[:, hidden : hidden + 4 * n_blocks].contiguous().view(torch.float32)
+    blocks = num_blocks(hidden, block)
+    offset = combine_scale_offset(hidden)
+    scales = rows[:, offset : offset + 4 * blocks].contiguous().view(torch.float32)
     if dtype is CombineDtype.FP8_BLOCKWISE_NATIVE:
         has_scales = scales[:, :1] < 0
         scales = torch.where(has_scales, scales.abs(), torch.ones_like(scales))
-    return (q.view(n, n_blocks, block) * scales[:, :, None]).view(n, hidden)
+    return _unblocked(_blocked(q, block) * scales[:, :, None], hidden)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +209,14 @@ def dequantize_combine(
 # ---------------------------------------------------------------------------------------------
 
 
+def check_dispatch_hidden(dtype: DispatchDtype, hidden: int) -> None:
+    """The one hidden-size rule of the dispatch formats: fp4 packs two elements per byte."""
+    if dtype is DispatchDtype.MXFP4 and hidden % 2:
+        raise FormatError(f"hidden={hidden}: fp4 dispatch packs two elements per byte, so hidden must be even")
+
+
 def dispatch_token_bytes(dtype: DispatchDtype, hidden: int) -> int:
+    check_dispatch_hidden(dtype, hidden)
     if dtype is DispatchDtype.BF16:
         return 2 * hidden
     if dtype is DispatchDtype.MXFP4:
@@ -174,13 +224,18 @@ def dispatch_token_bytes(dtype: DispatchDtype, hidden: int) -> int:
     return hidden
 
 
-def dispatch_scale_bytes(dtype: DispatchDtype, hidden: int) -> int:
-    """Natural scale row of a dispatch format: 224 B for fp8, mxfp8 and fp4 at hidden 7168."""
+def dispatch_scale_groups(dtype: DispatchDtype, hidden: int) -> int:
+    """Scales per token: ceil(hidden / 128) f32 for fp8, ceil(hidden / 32) e8m0 bytes for mxfp8 / fp4."""
     if dtype is DispatchDtype.BF16:
         return 0
-    if dtype is DispatchDtype.FP8:
-        return 4 * _check_blocks(hidden, DISPATCH_FP8_GROUP, "fp8 dispatch")
-    return _check_blocks(hidden, MX_GROUP, f"{dtype.value} dispatch")
+    return num_blocks(hidden, DISPATCH_FP8_GROUP if dtype is DispatchDtype.FP8 else MX_GROUP)
+
+
+def dispatch_scale_bytes(dtype: DispatchDtype, hidden: int) -> int:
+    """Natural scale row of a dispatch format, whole dwords: 224 B for fp8, mxfp8 and fp4 at hidden 7168;
+    92 B at 2880 (23 f32 scales, or 90 e8m0 bytes and two zero pad bytes)."""
+    groups = dispatch_scale_groups(dtype, hidden)
+    return 4 * groups if dtype is DispatchDtype.FP8 else _align(groups, 4)
 
 
 def dispatch_payload_dtype(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> torch.dtype:
@@ -200,13 +255,18 @@ def mx_emax(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> int:
 
 def _e8m0_exponent(amax: torch.Tensor, emax: int) -> torch.Tensor:
     """OCP MX shared exponent: floor(log2(amax)) - emax, clamped to e8m0's range; amax 0 -> -127. An
-    infinite amax counts as 2^128 (its f32 exponent field, which is what a kernel reading the bits sees):
-    its group gets the largest scale the format reaches."""
+    infinite amax counts as 2^128 (its f32 exponent field, which is what a kernel reading the bits
+    sees); its group's scale byte is then replaced by the NaN code (``_e8m0_bytes``)."""
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     exp = torch.frexp(safe).exponent - 1  # exact floor(log2) for finite f32
     exp = torch.where(safe.isinf(), torch.full_like(exp, 128), exp)
     exp = torch.where(amax > 0, exp - emax, torch.full_like(exp, -E8M0_BIAS))
     return exp.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def _e8m0_bytes(exp: torch.Tensor, poisoned: torch.Tensor) -> torch.Tensor:
+    """Biased e8m0 bytes; E8M0_NAN where the group holds what its elements cannot carry."""
+    return torch.where(poisoned, torch.full_like(exp, E8M0_NAN), exp + E8M0_BIAS).to(torch.uint8)
 
 
 def _e8m0_scale(exp: torch.Tensor) -> torch.Tensor:
@@ -240,52 +300,65 @@ def quantize_dispatch(
 
     fp8: DeepSeek's per-token-group quant (scale = max(amax, 1e-10) / fp8_max, f32; q = x * (fp8_max / amax),
     one division per group, as the kernels do);
-    mxfp8 / fp4: OCP MX (shared exponent floor(log2 amax) - emax, e8m0 byte, saturating cast).
+    mxfp8 / fp4: OCP MX (shared exponent floor(log2 amax) - emax, e8m0 byte, saturating cast), the
+    scale row zero-padded to whole dwords. Non-finite values: the module docstring.
     """
     n, hidden = x.shape
     if dtype is DispatchDtype.BF16:
         return x.to(torch.bfloat16), None
-    dispatch_scale_bytes(dtype, hidden)  # validates the group size
-    xf = x.float()
+    check_dispatch_hidden(dtype, hidden)
     if dtype is DispatchDtype.FP8:
-        groups = xf.view(n, hidden // DISPATCH_FP8_GROUP, DISPATCH_FP8_GROUP)
-        amax = groups.abs().amax(dim=2).clamp(min=1e-10)
-        scales = amax / torch.full_like(amax, fp8_max(fp8_dtype))
-        inv = torch.full_like(amax, fp8_max(fp8_dtype)) / amax
-        q = saturating_fp8_cast(groups * inv[:, :, None], fp8_dtype).view(n, hidden)
-        return q, scales
-    groups = xf.view(n, hidden // MX_GROUP, MX_GROUP)
-    amax = groups.abs().amax(dim=2)
-    emax = mx_emax(dtype, fp8_dtype)
-    exp = _e8m0_exponent(amax, emax)
+        groups = _blocked(x, DISPATCH_FP8_GROUP)
+        amax = _finite_amax(groups).clamp(min=1e-10)
+        limit = torch.full_like(amax, fp8_max(fp8_dtype))
+        scales = amax / limit
+        q = saturating_fp8_cast(groups * (limit / amax)[:, :, None], fp8_dtype)
+        return _unblocked(q.view(torch.uint8), hidden).contiguous().view(fp8_dtype), scales
+    groups = _blocked(x, MX_GROUP)
+    amax = _finite_amax(groups)
+    exp = _e8m0_exponent(amax, mx_emax(dtype, fp8_dtype))
     scaled = groups / _e8m0_scale(exp)[:, :, None]
-    scale_bytes = (exp + E8M0_BIAS).to(torch.uint8)
+    infinite = groups.isinf().any(dim=2)
+    scale_row = torch.zeros(n, dispatch_scale_bytes(dtype, hidden), dtype=torch.uint8, device=x.device)
     if dtype is DispatchDtype.MXFP8:
-        return saturating_fp8_cast(scaled, fp8_dtype).view(n, hidden), scale_bytes
-    codes = _e2m1_encode(scaled.view(n, hidden))
+        scale_row[:, : exp.shape[1]] = _e8m0_bytes(exp, infinite)
+        q = saturating_fp8_cast(scaled, fp8_dtype)
+        return _unblocked(q.view(torch.uint8), hidden).contiguous().view(fp8_dtype), scale_row
+    scale_row[:, : exp.shape[1]] = _e8m0_bytes(exp, infinite | groups.isnan().any(dim=2))
+    finite = torch.where(scaled.isnan(), torch.zeros_like(scaled), scaled)
+    codes = _e2m1_encode(_unblocked(finite, hidden))
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed, scale_bytes
+    return packed, scale_row
+
+
+def _scale_columns(scales: torch.Tensor, n: int, groups: int) -> torch.Tensor:
+    """The first ``groups`` scales of each of the ``n`` rows (a scale row may carry more after them)."""
+    if n == 0:
+        return scales.new_zeros(0, groups)
+    return scales.reshape(n, -1)[:, :groups]
 
 
 def dequantize_dispatch(
     payload: torch.Tensor, scales: torch.Tensor | None, dtype: DispatchDtype, hidden: int
 ) -> torch.Tensor:
-    """Payload + scale row -> f32 ``[N, hidden]`` (what the expert GEMM effectively sees)."""
+    """Payload + scale row -> f32 ``[N, hidden]`` (what the expert GEMM effectively sees). ``scales``:
+    f32 rows for fp8, byte rows for mxfp8 / fp4; columns past the format's scales are ignored."""
     n = payload.shape[0]
     if dtype is DispatchDtype.BF16:
         return payload.float()
+    groups = dispatch_scale_groups(dtype, hidden)
     if dtype is DispatchDtype.FP8:
-        n_groups = hidden // DISPATCH_FP8_GROUP
-        groups = payload.float().view(n, n_groups, DISPATCH_FP8_GROUP)
-        return (groups * scales.float().view(n, n_groups)[:, :, None]).view(n, hidden)
-    exp = scales.contiguous().view(torch.uint8).view(n, hidden // MX_GROUP).long() - E8M0_BIAS
+        values = _blocked(payload.float(), DISPATCH_FP8_GROUP)
+        return _unblocked(values * _scale_columns(scales.float(), n, groups)[:, :, None], hidden)
+    codes = _scale_columns(scales.contiguous().view(torch.uint8), n, groups)
+    scale = torch.where(codes == E8M0_NAN, math.nan, _e8m0_scale(codes.long() - E8M0_BIAS))
     if dtype is DispatchDtype.MXFP8:
         values = payload.float()
     else:
         packed = payload.contiguous().view(torch.uint8)
-        codes = torch.stack((packed & 0xF, packed >> 4), dim=2).view(n, hidden)
-        values = _e2m1_decode(codes)
-    return (values.view(n, hidden // MX_GROUP, MX_GROUP) * _e8m0_scale(exp)[:, :, None]).view(n, hidden)
+        nibbles = torch.stack((packed & 0xF, packed >> 4), dim=2).view(n, hidden)
+        values = _e2m1_decode(nibbles)
+    return _unblocked(_blocked(values, MX_GROUP) * scale[:, :, None], hidden)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +368,12 @@ def dequantize_dispatch(
 
 def _align(n: int, to: int = 16) -> int:
     return (n + to - 1) // to * to
+
+
+def wire_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Top-k ids as they travel (int32): every negative id, whatever its width, is a dropped slot and
+    travels as -1. Ids past the last expert never travel (refused, or sent as dropped and raised)."""
+    return torch.where(ids < 0, torch.full_like(ids, -1), ids).int()
 
 
 class DispatchRowLayout:
@@ -323,7 +402,7 @@ class DispatchRowLayout:
         rows[:, self.weights_offset : self.weights_offset + 4 * self.topk] = (
             weights.float().contiguous().view(torch.uint8)
         )
-        rows[:, self.ids_offset : self.ids_offset + 4 * self.topk] = ids.int().contiguous().view(torch.uint8)
+        rows[:, self.ids_offset : self.ids_offset + 4 * self.topk] = wire_ids(ids).contiguous().view(torch.uint8)
         return rows
 
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:

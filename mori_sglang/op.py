@@ -7,6 +7,8 @@ to a provider.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -15,7 +17,7 @@ from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfi
 from mori_sglang.exchange import DistExchange, Exchange, LoopbackExchange, LoopbackHub
 from mori_sglang.providers import resolve_provider
 from mori_sglang.providers.torch_provider import TorchProvider
-from mori_sglang.types import CombineHandle, DispatchOutput, InputError, expert_id_error
+from mori_sglang.types import CombineHandle, DispatchOutput, InputError, expert_id_error, short_expert_outputs_error
 
 SUPPORTED_COMBINE = (
     CombineDtype.BF16,
@@ -23,6 +25,7 @@ SUPPORTED_COMBINE = (
     CombineDtype.FP8_BLOCKWISE_NATIVE,
     CombineDtype.FP8_DIRECT_CAST,
 )
+_OP_IDENTS = itertools.count(1)
 
 
 class EpDispatchCombineOp:
@@ -41,6 +44,8 @@ class EpDispatchCombineOp:
         loopback: LoopbackHub | None = None,
     ) -> None:
         self.config = config
+        self.ident = next(_OP_IDENTS)  # stamped on every handle this op's dispatches make
+        self._dispatches = 0
         self.device = _normalize_device(device)
         self.fp8_dtype = config.fp8_dtype or formats.fp8_dtype_for_device(self.device)
         self.provider_kind = resolve_provider(config.provider, self.device, real_ranks=loopback is None)
@@ -86,7 +91,7 @@ class EpDispatchCombineOp:
                 raise ConfigError(f"loopback world of {loopback.world_size} ranks, config says {config.world_size}")
             exchange = LoopbackExchange(loopback, config.rank)
         else:
-            exchange = DistExchange(group)
+            exchange = DistExchange(group, config.peer_timeout_s)
             if exchange.world_size != config.world_size or exchange.rank != config.rank:
                 raise ConfigError(
                     f"config says rank {config.rank} of {config.world_size}, the process group says "
@@ -142,6 +147,11 @@ class EpDispatchCombineOp:
                 f"a {cfg.dispatch_dtype.value} token is {self.token_bytes} B on the wire; got rows of "
                 f"{formats.row_bytes(x)} B ({x.dtype} x {x.shape[1]})"
             )
+        if scales is not None and scales.dim() != 2:
+            raise InputError(
+                f"scales must be 2-D [num_tokens, S], one opaque row of scale_bytes={self.scale_bytes} B per "
+                f"token; got shape {tuple(scales.shape)}"
+            )
         if scales is not None and formats.row_bytes(scales) != self.scale_bytes:
             raise InputError(
                 f"scale rows must be {self.scale_bytes} B (the op's scale_bytes), got {formats.row_bytes(scales)} B"
@@ -162,6 +172,7 @@ class EpDispatchCombineOp:
     ) -> None:
         """Start sending each token to the distinct ranks among its top-k experts."""
         self._check_dispatch(x, topk_weights, scales, topk_ids)
+        self._dispatches += 1
         payload = x
         if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
             fused = self.config.dispatch_dtype in self.provider.fused_quantization
@@ -178,7 +189,9 @@ class EpDispatchCombineOp:
 
     def dispatch_recv(self) -> DispatchOutput:
         """Finish the dispatch started by ``dispatch_send``."""
-        return self.provider.dispatch_recv(self.layout, self.payload_dtype)
+        out = self.provider.dispatch_recv(self.layout, self.payload_dtype)
+        out.handle.issuer, out.handle.dispatch_number = self.ident, self._dispatches
+        return out
 
     def dispatch(
         self,
@@ -199,8 +212,18 @@ class EpDispatchCombineOp:
             raise InputError(f"expert outputs must be [rows, hidden={self.config.hidden}], got {tuple(y.shape)}")
         if y.dtype not in (torch.bfloat16, torch.float32):
             raise InputError(f"expert outputs must be bf16 or f32, got {y.dtype}")
+        if handle.issuer != self.ident:
+            raise InputError(
+                "the combine handle comes from another op's dispatch: pass the handle of this op's dispatch"
+            )
+        if handle.dispatch_number != self._dispatches and not self.provider.keeps_old_handles:
+            raise InputError(
+                f"the combine handle is from this op's dispatch #{handle.dispatch_number}, but dispatch "
+                f"#{self._dispatches} has since reused its buffers ({self.provider_kind.value} provider): combine "
+                "each dispatch before the next dispatch_send, or give overlapping batches an op each"
+            )
         if handle.recv_counts_host is not None and y.shape[0] < sum(handle.recv_counts_host):
-            raise InputError(f"expert outputs have {y.shape[0]} rows, dispatch received {sum(handle.recv_counts_host)}")
+            raise short_expert_outputs_error(sum(handle.recv_counts_host), y.shape[0])
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         """Start returning expert outputs (weights already applied) to their source ranks."""

@@ -7,9 +7,14 @@ destination rank on the wire, and measures accuracy with an identity expert: the
 be x * (number of distinct destination ranks), which is exact in f32, so the error of each format is
 measured against that exact value and against what the all-bf16 path returns.
 
+The provider is our Triton kernels wherever triton is installed: compiled on a GPU, in Triton's
+interpreter (with exact float casts) on a CPU, where the times measure the interpreter, not the
+kernels. Without triton it is the torch provider. The default tokens are heavy-tailed (lognormal
+magnitudes), as real activations with outliers are: that is where a per-block scale matters.
+
 Times are medians over ``--iters`` steps of the whole world (every rank's send, then every rank's
-receive, on one device), not of one rank. Defaults: on a GPU, 8 ranks x 128 tokens; on a CPU, 4 ranks x
-32 tokens, so that the full table takes well under a minute on two cores.
+receive, on one device), not of one rank. Defaults: on a GPU, 8 ranks x 128 tokens at hidden 7168; on
+a CPU, 4 ranks x 16 tokens at hidden 1024, so that the table takes well under a minute on two cores.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -24,9 +30,11 @@ from pathlib import Path
 
 import torch
 
-from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang import cli, formats
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.kernels.interpreter import interpret_on_cpu
 from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.providers import triton_available
 from mori_sglang.types import DispatchOutput
 
 # (dispatch, combine): the bf16 baseline, each dispatch format with bf16 combine, each combine format
@@ -50,8 +58,21 @@ COLUMNS = (
     "rel err vs f32",
     "rel err vs bf16",
 )
-GPU_DEFAULTS = {"world": 8, "tokens": 128, "iters": 20, "warmup": 3}
-CPU_DEFAULTS = {"world": 4, "tokens": 32, "iters": 3, "warmup": 1}
+LEGEND = """\
+dispatch, combine: the wire format of each direction, by its SGLANG_MORI_DISPATCH_DTYPE /
+  SGLANG_MORI_COMBINE_DTYPE name (fp8 combine: blockwise, one f32 scale per 128 elements;
+  fp8_blockwise_native: native MoRI's scales); each row changes one direction, the other stays bf16.
+dispatch ms, combine ms: median milliseconds of one step of the whole world (every rank's send, then
+  every rank's receive, all in this process); the dispatch includes quantizing on the sender.
+B/token/dest: bytes one token costs on the wire per destination rank (payload and scale row, padded).
+rel err vs f32: ||out - exact|| / ||exact|| over every rank's tokens, where exact = x * (number of
+  distinct destination ranks) in f32: what an identity expert's outputs combine to without rounding.
+rel err vs bf16: the same norm of the difference from the all-bf16 row's output."""
+GPU_DEFAULTS = {"world": 8, "tokens": 128, "hidden": 7168, "iters": 20, "warmup": 3}
+CPU_DEFAULTS = {"world": 4, "tokens": 16, "hidden": 1024, "iters": 3, "warmup": 1}
+# The interpreter runs a step in seconds: one untimed-free step per format keeps the table near 30 s.
+INTERPRETER_DEFAULTS = {**CPU_DEFAULTS, "iters": 1, "warmup": 0}
+INPUTS = ("lognormal", "normal")
 
 
 @dataclass
@@ -89,7 +110,10 @@ class Batch:
 
 
 def make_batch(args: argparse.Namespace, device: torch.device) -> Batch:
-    """Random bf16 tokens and top-k routings (distinct experts per token), seeded for repeatable tables."""
+    """Random bf16 tokens and top-k routings (distinct experts per token), seeded for repeatable tables.
+
+    lognormal: magnitudes exp(2 N(0, 1) - 1) with random signs, spanning e4m3's whole range with a few
+    values past its 448; normal: N(0, 1)."""
     gen = torch.Generator().manual_seed(args.seed)
     local = args.experts // args.world
     xs, weights, ids, exact = [], [], [], []
@@ -124,22 +148,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def configs(args: argparse.Namespace) -> list[EpConfig]:
+    """One op config per row of FORMATS; a size no format accepts raises ConfigError or FormatError."""
+    out = []
+    for dispatch, combine in FORMATS:
+        cfg = EpConfig(
+            world_size=args.world,
+            rank=0,
+            hidden=args.hidden,
+            num_experts=args.experts,
+            topk=args.topk,
+            max_tokens_per_rank=args.tokens,
+            dispatch_dtype=dispatch,
+            combine_dtype=combine,
+            mode=Mode(args.mode),
+            provider=args.provider,
+        )
+        # What the op checks when it is built, checked here so that a bad size is a usage error.
+        layout = formats.DispatchRowLayout(
+            formats.dispatch_token_bytes(dispatch, args.hidden),
+            formats.dispatch_scale_bytes(dispatch, args.hidden),
+            args.topk,
+        )
+        formats.combine_row_bytes(combine, args.hidden, cfg.combine_block)
+        if cfg.provider is Provider.TRITON:
+            from mori_sglang.providers.triton_provider import check_word_rows  # after the interpreter is chosen
+
+            check_word_rows(cfg, layout)
+        out.append(cfg)
+    return out
+
+
 def run_format(
-    args: argparse.Namespace, batch: Batch, dispatch: DispatchDtype, combine: CombineDtype, device: torch.device
+    args: argparse.Namespace, batch: Batch, cfg: EpConfig, device: torch.device
 ) -> tuple[Row, list[torch.Tensor]]:
     """Time ``warmup + iters`` round trips of one format pair; return its row and the combined outputs."""
-    cfg = EpConfig(
-        world_size=args.world,
-        rank=0,
-        hidden=args.hidden,
-        num_experts=args.experts,
-        topk=args.topk,
-        max_tokens_per_rank=args.tokens,
-        dispatch_dtype=dispatch,
-        combine_dtype=combine,
-        mode=Mode(args.mode),
-        provider=args.provider,
-    )
+    dispatch, combine = cfg.dispatch_dtype, cfg.combine_dtype
     world = LoopbackWorld(cfg, device)
     dispatch_times, combine_times = [], []
     combined: list[torch.Tensor] = []
@@ -162,7 +206,7 @@ def run_format(
     combine_bytes = formats.combine_row_bytes(combine, args.hidden, cfg.combine_block)
     row = Row(
         dispatch=dispatch.value,
-        combine=combine.value,
+        combine=cli.combine_name(combine),
         dispatch_ms=1e3 * statistics.median(dispatch_times),
         combine_ms=1e3 * statistics.median(combine_times),
         dispatch_bytes=op.token_bytes + op.scale_stride_bytes(),
@@ -186,38 +230,72 @@ def markdown(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def choose_provider(requested: str, device: torch.device) -> tuple[Provider, str]:
+    """The provider the table runs, and where: auto takes our Triton kernels wherever triton is installed
+    (compiled on a GPU, in Triton's interpreter on a CPU), else the torch provider."""
+    if requested == "auto":
+        provider = Provider.TRITON if triton_available() else Provider.TORCH
+    else:
+        provider = Provider(requested)
+    if provider is Provider.TORCH:
+        return provider, "torch.distributed semantics" + ("" if triton_available() else ", triton is not installed")
+    if not triton_available():
+        raise cli.SetupError("--provider triton: triton is not installed (pip install the [triton] extra)")
+    if device.type == "cpu":
+        interpret_on_cpu()
+        return (
+            provider,
+            "our Triton kernels in Triton's CPU interpreter, with exact float casts; the times are the interpreter's",
+        )
+    return provider, "our Triton kernels"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m mori_sglang.roundtrip",
         description="Loopback dispatch + combine round trip for every wire format: time, bytes, accuracy.",
+        epilog="Columns:\n" + LEGEND,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--world", type=int, help="ranks (default: 8 on GPU, 4 on CPU)")
-    parser.add_argument("--tokens", type=int, help="tokens per rank (default: 128 on GPU, 32 on CPU)")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    parser.add_argument("--provider", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--world", "--world-size", type=cli.positive_int, help="ranks (default: 8 on GPU, 4 on CPU)")
+    parser.add_argument("--tokens", type=cli.positive_int, help="tokens per rank (default: 128 on GPU, 16 on CPU)")
+    parser.add_argument("--hidden", type=cli.positive_int, help="hidden size (default: 7168 on GPU, 1024 on CPU)")
+    parser.add_argument("--experts", type=cli.positive_int, default=256)
+    parser.add_argument("--topk", type=cli.positive_int, default=8)
+    parser.add_argument(
+        "--device", type=cli.device_name, default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N"
+    )
+    parser.add_argument(
+        "--provider",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: triton where it is installed (on a CPU in Triton's interpreter), else torch",
+    )
     parser.add_argument("--mode", default=Mode.INTRANODE.value, choices=[m.value for m in Mode])
-    parser.add_argument("--iters", type=int, help="timed steps per format (default: 20 on GPU, 3 on CPU)")
-    parser.add_argument("--warmup", type=int, help="untimed steps per format (default: 3 on GPU, 1 on CPU)")
-    parser.add_argument("--input", default="normal", choices=["normal", "lognormal"], help="token distribution")
+    parser.add_argument(
+        "--iters", type=cli.positive_int, help="timed steps per format (default: 20 GPU, 3 CPU, 1 interpreter)"
+    )
+    parser.add_argument(
+        "--warmup", type=cli.non_negative_int, help="untimed steps per format (default: 3 GPU, 1 CPU, 0 interpreter)"
+    )
+    parser.add_argument(
+        "--input", default=INPUTS[0], choices=INPUTS, help="token distribution (default: lognormal, heavy-tailed)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the table and its settings as JSON here")
     args = parser.parse_args(argv)
-    args.device = str(resolve_device(args.device))
-    defaults = GPU_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
+    device = cli.resolve_device(args.device)
+    args.device = str(device)
+    provider, args.runs_on = choose_provider(args.provider, device)
+    args.provider = provider.value
+    if device.type == "cuda":
+        defaults = GPU_DEFAULTS
+    else:
+        defaults = INTERPRETER_DEFAULTS if provider is Provider.TRITON else CPU_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
+    args.configs = cli.checked(parser, lambda: configs(args))
     return args
 
 
@@ -226,29 +304,40 @@ def run(args: argparse.Namespace) -> list[Row]:
     batch = make_batch(args, device)
     rows: list[Row] = []
     baseline: list[torch.Tensor] = []
-    for dispatch, combine in FORMATS:
-        row, combined = run_format(args, batch, dispatch, combine, device)
+    for number, cfg in enumerate(args.configs, 1):
+        start = time.perf_counter()
+        row, combined = run_format(args, batch, cfg, device)
         if not baseline:
             baseline = combined
         row.rel_err_bf16 = relative_error(combined, baseline)
         rows.append(row)
+        print(
+            f"[{number}/{len(args.configs)}] dispatch {row.dispatch}, combine {row.combine}: "
+            f"{time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    rows = run(args)
     print(
         f"loopback world of {args.world} ranks on {args.device}: {args.tokens} tokens/rank, hidden {args.hidden}, "
-        f"{args.experts} experts, top-{args.topk}, mode {args.mode}, provider {args.provider}; "
-        f"median of {args.iters} steps of the whole world"
+        f"{args.experts} experts, top-{args.topk}, {args.input} input, mode {args.mode}, provider {args.provider} "
+        f"({args.runs_on}); median of {args.iters} step{'s' if args.iters > 1 else ''} of the whole world",
+        flush=True,
     )
+    rows = run(args)
     print()
     print(markdown(rows))
+    print()
+    print(LEGEND)
     if args.json is not None:
-        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        skip = {"configs"}
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}
         args.json.write_text(json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "python -m mori_sglang.roundtrip")

@@ -16,9 +16,9 @@ import json
 from collections.abc import Iterator
 
 from mori_sglang.bench import PHASES, Row, add_workload_args, bench_one, copy_bandwidth, workload_configs
+from mori_sglang.cli import resolve_device
 from mori_sglang.config import Provider
 from mori_sglang.providers.triton_provider import KernelTuning
-from mori_sglang.roundtrip import resolve_device
 
 
 def parse_variants(specs: list[str]) -> Iterator[tuple[str, dict[str, int]]]:

@@ -11,6 +11,31 @@ class InputError(ValueError):
     """A dispatch/combine input does not fit the op's configuration."""
 
 
+PEER_TIMEOUT_VAR = "SGLANG_MORI_PEER_TIMEOUT_S"
+
+
+class PeerTimeoutError(TimeoutError):
+    """A receive waited past SGLANG_MORI_PEER_TIMEOUT_S for a peer that never sent."""
+
+
+def peer_timeout_error(rank: int, peer: int | None, timeout_s: float) -> PeerTimeoutError:
+    """The error of a receive that gave up: this rank, the peer it waited for, and the knob."""
+    who = f"rank {peer}" if peer is not None else "a peer"
+    return PeerTimeoutError(
+        f"rank {rank} waited {timeout_s:g} s ({PEER_TIMEOUT_VAR}) for {who}, which never sent; it is stalled, "
+        "crashed or ran a different number of dispatch/combine calls"
+    )
+
+
+def short_expert_outputs_error(received: int, rows: int | None = None) -> InputError:
+    """Expert outputs with fewer rows than the dispatch received: never a silent drop."""
+    got = f"{rows} rows" if rows is not None else "fewer rows"
+    return InputError(
+        f"expert outputs had {got}, the dispatch received {received}: pass one row per received row "
+        "(DispatchOutput.num_recv; the receive capacity, max_recv_tokens, always covers it)"
+    )
+
+
 def expert_id_error(expert: int, num_experts: int, *, dropped: bool) -> InputError:
     """An expert id past the last expert; ``dropped``: the kernels already sent those copies as dropped."""
     verb, tail = ("held", " (those copies were dropped)") if dropped else ("holds", "")
@@ -27,7 +52,8 @@ class CombineHandle:
     the intranode dispatch already synchronised; the low-latency path never reads them. The native MoRI
     provider keeps the top-k ids it sent in ``copy_of_pair`` / ``slot_of_pair`` (MoRI v1's combine takes
     them), the received row count in ``recv_counts`` and, on MoRI's EP v2, v2's routing handle in
-    ``routing``.
+    ``routing``. ``issuer`` and ``dispatch_number`` let the op refuse a handle of another op, or one
+    whose dispatch buffers a later dispatch has reused.
     """
 
     num_tokens: int
@@ -40,6 +66,8 @@ class CombineHandle:
     send_counts_host: list[int] | None = None
     recv_counts_host: list[int] | None = None
     routing: object | None = None
+    issuer: int = 0  # the op whose dispatch made this handle (EpDispatchCombineOp.ident)
+    dispatch_number: int = 0  # which of that op's dispatches
 
 
 @dataclass

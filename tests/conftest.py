@@ -447,12 +447,15 @@ def combine_scale_per_element(
     limit = formats.fp8_max(fp8_dtype)
     if combine is CombineDtype.FP8_DIRECT_CAST:
         return torch.ones_like(x)
-    amax = x.abs().view(x.shape[0], x.shape[1] // block, block).amax(dim=2, keepdim=True)
+    rows, hidden = x.shape
+    blocks = formats.num_blocks(hidden, block)
+    padded = torch.nn.functional.pad(x.abs(), (0, blocks * block - hidden))  # a partial last block
+    amax = padded.view(rows, blocks, block).amax(dim=2, keepdim=True)
     if combine is CombineDtype.FP8_BLOCKWISE:
         scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
     else:
         scale = torch.where(amax > limit, amax / limit, torch.ones_like(amax))
-    return scale.expand(-1, -1, block).reshape(x.shape)
+    return scale.expand(-1, -1, block).reshape(rows, blocks * block)[:, :hidden]
 
 
 def check_combine_bound(scn: Scenario, inp: RankInputs, combined: torch.Tensor) -> None:

@@ -10,6 +10,11 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 triton==3.7.1
 .venv/bin/pip install -q -e '.[test]'
 .venv/bin/ruff check .
+# MoRI's wheel (MIT), read by tests/test_mori_api.py: it does not install here, it is only parsed.
+export MORI_WHEEL_DIR="${MORI_WHEEL_DIR:-$XDG_CACHE_HOME/mori-sglang/amd-mori}"
+.venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.10 \
+    --platform manylinux_2_35_x86_64 amd-mori==1.2.4 -d "$MORI_WHEEL_DIR" ||
+    echo "amd-mori 1.2.4 not downloaded: tests/test_mori_api.py will be skipped" >&2
 .venv/bin/python -m pytest -q tests --ignore-glob='tests/test_sglang_*' --ignore-glob='tests/test_vllm_*'
 
 bash .ci/install-sglang.sh .venv-sglang

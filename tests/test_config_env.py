@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -329,6 +330,41 @@ def test_env_cli_prints_the_table() -> None:
         [sys.executable, "-m", "mori_sglang.env", "--markdown"], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     assert out.strip() == env.markdown_table()
+
+
+def test_env_cli_prints_checked_values_without_warnings() -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_MORI_", "MORI_", "TRTLLM_"))}
+    command = [sys.executable, "-m", "mori_sglang.env"]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, env={**clean, "SGLANG_MORI_BACKEND": "torch"}
+    )
+    assert proc.returncode == 0 and proc.stderr == ""  # no RuntimeWarning from runpy
+    lines = proc.stdout.splitlines()
+    assert lines == [f"{v.name}={'torch' if v.name == 'SGLANG_MORI_BACKEND' else v.default}" for v in env.ENV_VARS]
+    bad = {
+        **clean,
+        "SGLANG_MORI_COMBINE_DTYPE": "fp9",
+        "SGLANG_MORI_FP8_COMB": "maybe",
+        "MORI_FP8_COMBINE_SCALE_DIM": "0",
+    }
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bad)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "python -m mori_sglang.env: error: SGLANG_MORI_COMBINE_DTYPE='fp9' is not accepted; use one of: "
+        "auto, bf16, fp8, fp8_direct_cast, fp4",
+        "python -m mori_sglang.env: error: SGLANG_MORI_FP8_COMB='maybe' is not a boolean; use 1/0, true/false, "
+        "yes/no or on/off",
+        "python -m mori_sglang.env: error: MORI_FP8_COMBINE_SCALE_DIM=0 must be a positive integer",
+    ]
+
+
+def test_package_exports_load_on_first_use() -> None:
+    import mori_sglang
+
+    for name in mori_sglang.__all__:
+        assert getattr(mori_sglang, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        _ = mori_sglang.nothing
 
 
 def test_readme_env_table_is_generated() -> None:

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
-import interpreter_casts
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,9 +25,6 @@ from mori_sglang.loopback import LoopbackWorld
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="counts launches through Triton's interpreter (CPU); `bench --eager` on a GPU"
 )
-
-if not torch.cuda.is_available():
-    interpreter_casts.install()  # the interpreter's float conversions made exact, as on a GPU
 
 # Two ranks, tiny rows; routing blocks of 64 tokens, which 70 tokens overflow.
 WORLD, HIDDEN, EXPERTS, TOPK, CAPACITY, ROUTE_BLOCK = 2, 256, 4, 2, 72, 64

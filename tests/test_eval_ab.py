@@ -3,6 +3,7 @@ started per dtype with that dtype's environment, health-waited, evaluated and st
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import socket
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import GSM8K_TEST_JSONL
 
-from eval.ab.__main__ import main
+from eval.ab.__main__ import main, parse_dtypes
 from eval.ab.server import render_command
 from eval.ab.table import Row, markdown_table, payload_bytes_per_token
 from eval.gsm8k.data import read_jsonl
@@ -212,4 +213,10 @@ def test_unknown_combine_dtype_is_rejected(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as exit_info:
         main(["--launch", "true", "--combine-dtypes", "bf16,fp4"])
     assert exit_info.value.code == 2
-    assert "combine dtypes ['fp4']: use a comma list of bf16, fp8, fp8_direct_cast" in capsys.readouterr().err
+    assert "argument --combine-dtypes: 'fp4': use a comma list of bf16, fp8, fp8_direct_cast" in capsys.readouterr().err
+
+
+def test_combine_dtypes_take_the_env_names_and_long_aliases() -> None:
+    assert parse_dtypes("fp8_blockwise, bf16,FP8_DIRECT_CAST") == ["fp8", "bf16", "fp8_direct_cast"]
+    with pytest.raises(argparse.ArgumentTypeError, match="'fp8_blockwise_native': use a comma list"):
+        parse_dtypes("fp8_blockwise_native")  # no SGLANG_MORI_COMBINE_DTYPE value selects it

@@ -300,8 +300,23 @@ def test_data_is_downloaded_once_and_cached(
     assert hits == ["/test.jsonl"]
 
 
+def test_failed_download_names_the_url_and_data_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler) as probe:
+        port = probe.server_address[1]  # nothing listens there once the block ends
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(data, "DATA_URL", f"http://127.0.0.1:{port}/test.jsonl")
+    monkeypatch.setattr(data, "DOWNLOAD_ATTEMPTS", 2)
+    monkeypatch.setattr(data.time, "sleep", lambda s: None)
+    with pytest.raises(data.DataError) as error:
+        data.load_questions(None)
+    message = str(error.value)
+    assert f"could not download http://127.0.0.1:{port}/test.jsonl to {data.default_cache_path()}" in message
+    assert "after 2 attempts" in message and "pass --data-path" in message
+    assert not data.default_cache_path().exists() and not list(tmp_path.rglob("*.part"))
+
+
 def test_data_errors_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(data.DataError, match="no such file"):
+    with pytest.raises(data.DataError, match="no such file; omit --data-path to download"):
         data.load_questions(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text("# a comment line\n" + json.dumps(LINES[0]) + "\n{not json\n")

@@ -115,14 +115,19 @@ def test_same_inputs_for_every_mode_and_device_independent(rng: random.Random) -
 
 
 def test_command_prints_a_row_per_mode(rng: random.Random) -> None:
-    modes = rng.sample([m.value for m in MODES], rng.randrange(1, 5))
+    """Modes by their env names (long names are aliases); --world-size / --tokens-per-rank as aliases."""
+    env_names = {"bf16": "bf16", "fp8_blockwise": "fp8", "fp8_blockwise_native": "fp8_blockwise_native"}
+    env_names["fp8_direct_cast"] = "fp8_direct_cast"
+    long_names = rng.sample([m.value for m in MODES], rng.randrange(1, 5))
+    modes = [env_names[m] for m in long_names]
+    written = [rng.choice([m, env_names[m]]) for m in long_names]
     command = [
         sys.executable,
         "-m",
         "eval.layer_accuracy",
-        "--world-size",
+        rng.choice(["--world", "--world-size"]),
         "2",
-        "--tokens-per-rank",
+        rng.choice(["--tokens", "--tokens-per-rank"]),
         "8",
         "--hidden",
         "256",
@@ -133,7 +138,7 @@ def test_command_prints_a_row_per_mode(rng: random.Random) -> None:
         "--device",
         "cpu",
         "--modes",
-        ",".join(modes),
+        ",".join(written),
     ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -142,4 +147,8 @@ def test_command_prints_a_row_per_mode(rng: random.Random) -> None:
     assert lines[2] == "| combine mode | relative error | median element error | flushed to zero | saturated |"
     assert [line.split(" | ")[0].lstrip("| ") for line in lines[4:]] == modes
     bad = subprocess.run([*command[:3], "--modes", "fp4"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "use a comma list of bf16, fp8_blockwise" in bad.stderr
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines()[-1] == (
+        "python -m eval.layer_accuracy: error: argument --modes: 'fp4' is not a mode; "
+        "use a comma list of bf16, fp8, fp8_blockwise_native, fp8_direct_cast"
+    )

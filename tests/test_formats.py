@@ -126,15 +126,19 @@ def test_row_sizes_at_4096() -> None:
     assert formats.dispatch_scale_bytes(DispatchDtype.MXFP4, 4096) == 128
 
 
-def test_hidden_not_a_block_multiple_is_an_error() -> None:
-    with pytest.raises(FormatError, match="hidden=200"):
-        formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 200)
-    with pytest.raises(FormatError, match="hidden=200"):
-        formats.dispatch_scale_bytes(DispatchDtype.FP8, 200)
-    with pytest.raises(FormatError, match="hidden=48"):
-        formats.dispatch_scale_bytes(DispatchDtype.MXFP4, 48)
-    with pytest.raises(FormatError, match="hidden=7168"):
-        formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 7168, block=100)
+def test_hidden_not_a_block_multiple_ends_in_a_partial_block() -> None:
+    """A partial last block or group has a scale of its own; MX scale rows are padded to whole dwords,
+    and a blockwise row's scales start on a dword after the elements."""
+    assert formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 2880) == 2880 + 4 * 23
+    assert formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 200) == 200 + 4 * 2
+    assert formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 101) == 104 + 4 * 1
+    assert formats.combine_row_bytes(CombineDtype.FP8_BLOCKWISE, 7168, block=100) == 7168 + 4 * 72
+    assert formats.dispatch_scale_bytes(DispatchDtype.FP8, 2880) == 4 * 23
+    assert formats.dispatch_scale_bytes(DispatchDtype.MXFP8, 2880) == 92  # 90 e8m0 bytes + 2 pad
+    assert formats.dispatch_scale_bytes(DispatchDtype.MXFP4, 48) == 4  # 2 groups, padded
+    assert formats.dispatch_scale_bytes(DispatchDtype.FP8, 200) == 8
+    with pytest.raises(FormatError, match=r"hidden=101.*even"):
+        formats.dispatch_token_bytes(DispatchDtype.MXFP4, 101)
 
 
 def test_fp4_combine_has_no_reference_format() -> None:
@@ -391,22 +395,18 @@ def test_mxfp8_exponents_and_payload(flavour: str, seed: int) -> None:
     assert back[0, 7] == 2.0  # a power-of-two amax round-trips exactly
 
 
-@pytest.mark.parametrize(
-    ("dtype", "flavour", "biased"),
-    [
-        (DispatchDtype.MXFP4, "e4m3fn", 253),
-        (DispatchDtype.MXFP8, "e4m3fn", 247),
-        (DispatchDtype.MXFP8, "e4m3fnuz", 248),
-    ],
-)
-def test_a_group_with_an_infinity_gets_the_largest_scale(dtype: DispatchDtype, flavour: str, biased: int) -> None:
-    """An infinite amax counts as 2^128 (the f32 exponent field, as the kernels read it): exponent 128 - emax.
-    The groups around it keep their own scales."""
+@pytest.mark.parametrize("flavour", ["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("dtype", [DispatchDtype.MXFP4, DispatchDtype.MXFP8])
+def test_a_group_with_an_infinity_gets_the_nan_scale(dtype: DispatchDtype, flavour: str) -> None:
+    """e4m3 and e2m1 hold no infinity: its group's scale is e8m0's NaN code and the whole group decodes
+    to NaN. The groups around it keep their own scales; the scale row's pad byte is zero."""
     x = torch.ones(1, 96, dtype=torch.bfloat16)
     x[0, 40] = float("-inf")
-    _, scales = formats.quantize_dispatch(x, dtype, FP8_TYPES[flavour])
+    payload, scales = formats.quantize_dispatch(x, dtype, FP8_TYPES[flavour])
     ones = 127 - formats.mx_emax(dtype, FP8_TYPES[flavour])
-    assert scales.tolist() == [[ones, biased, ones]]
+    assert scales.tolist() == [[ones, formats.E8M0_NAN, ones, 0]]
+    back = formats.dequantize_dispatch(payload, scales, dtype, 96)
+    assert back[0, 32:64].isnan().all() and torch.equal(back[0, :32], torch.ones(32))
 
 
 def _unsigned_zero(codes: torch.Tensor) -> torch.Tensor:

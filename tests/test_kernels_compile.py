@@ -132,6 +132,13 @@ def _as_fnuz(spec: dict) -> dict:
     return {**spec, "constants": constants, "signature": signature}
 
 
+def _with_clock(spec: dict, clock: int) -> dict:
+    """The launch with the receive deadline's clock of the target (the interpreter records the host's)."""
+    if "CLOCK" not in spec["constants"]:
+        return spec
+    return {**spec, "constants": {**spec["constants"], "CLOCK": clock}}
+
+
 def _as_hopper_launch(spec: dict) -> dict:
     """The same launch as a Hopper GPU makes it: under programmatic dependent launch, which the
     interpreter cannot run."""
@@ -151,7 +158,10 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     assert {s["kernel"] for s in unique} == set(KERNELS)
     assert all(s["constants"]["PDL"] is False for s in unique)
     hopper = [_as_hopper_launch(s) for s in unique]
-    specs = {"sm_90": unique + hopper, "gfx942": [_as_fnuz(s) for s in unique]}
+    specs = {
+        "sm_90": [_with_clock(s, transport.CLOCK_CUDA) for s in unique + hopper],
+        "gfx942": [_with_clock(_as_fnuz(s), transport.CLOCK_HIP) for s in unique],
+    }
     spec_file = tmp_path / "launches.json"
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}

@@ -347,9 +347,7 @@ def test_receive_without_send() -> None:
     ("overrides", "error", "match"),
     [
         ({"scale_bytes": 6}, FormatError, "6 B is not a whole number of dwords"),
-        ({"hidden": 200, "dispatch_dtype": DispatchDtype.FP8, "scale_bytes": None}, FormatError, "hidden=200"),
-        ({"hidden": 200, "combine_dtype": CombineDtype.FP8_BLOCKWISE}, FormatError, "hidden=200"),
-        ({"combine_dtype": CombineDtype.FP8_BLOCKWISE, "combine_block": 100}, FormatError, "100 elements"),
+        ({"hidden": 101, "dispatch_dtype": DispatchDtype.MXFP4, "scale_bytes": None}, FormatError, "hidden=101"),
         ({"combine_dtype": CombineDtype.FP4_BLOCKWISE}, ConfigError, "SGLANG_MORI_COMBINE_DTYPE.*gfx950"),
         ({"provider": "mori"}, ConfigError, "SGLANG_MORI_BACKEND=mori"),
     ],

@@ -1,7 +1,7 @@
 """The Triton provider against the torch provider: identical wire bytes and outputs, bit for bit.
 
 On a machine without a GPU the kernels run in Triton's interpreter on CPU tensors, with its float
-conversions made exact (see interpreter_casts.py); on a GPU the same tests run the compiled kernels.
+conversions made exact (mori_sglang.kernels.interpreter); on a GPU the same tests run the compiled kernels.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-import interpreter_casts
 import pytest
 import torch
 
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
 from mori_sglang.providers.triton_provider import PeerTimeoutError
@@ -30,12 +30,12 @@ TOPK = 8 if ON_GPU else 4
 MAX_TOKENS = 64 if ON_GPU else 6
 
 if not ON_GPU:
-    interpreter_casts.install()
+    interpreter.install_exact_casts()
 
 
-def _config(world: int = WORLD, **overrides: object) -> EpConfig:
+def _config(world: int = WORLD, hidden: int = HIDDEN, **overrides: object) -> EpConfig:
     """The tests' op shape; each test names only what it varies."""
-    return EpConfig(world, 0, HIDDEN, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, **overrides)
+    return EpConfig(world, 0, hidden, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, **overrides)
 
 
 def _inputs(cfg: EpConfig, counts: list[int], seed: int):
@@ -119,11 +119,16 @@ COMBINES = [
 ]
 
 
+# On a GPU also hidden sizes that are not a multiple of 128 (gpt-oss's 2880: a partial last block).
+HIDDENS = (HIDDEN, 4096, 2880) if ON_GPU else (HIDDEN,)
+
+
+@pytest.mark.parametrize("hidden", HIDDENS)
 @pytest.mark.parametrize("mode", list(Mode))
 @pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("dispatch", list(DispatchDtype))
 def test_bit_identical_to_torch_provider(
-    mode: Mode, combine: CombineDtype, dispatch: DispatchDtype, rng: random.Random
+    mode: Mode, combine: CombineDtype, dispatch: DispatchDtype, hidden: int, rng: random.Random
 ) -> None:
     seed = rng.randrange(1 << 30)
     counts = [rng.randint(0, MAX_TOKENS) for _ in range(WORLD)]
@@ -131,6 +136,7 @@ def test_bit_identical_to_torch_provider(
     runs = {}
     for provider in ("torch", "triton"):
         cfg = _config(
+            hidden=hidden,
             dispatch_dtype=dispatch,
             combine_dtype=combine,
             mode=mode,
@@ -247,7 +253,7 @@ def test_a_rank_that_receives_nothing_and_programs_without_work_still_signal() -
     other programs are idle). Every counter is back to 0 after each round and no receive gave up."""
     worlds = {p: LoopbackWorld(_config(2, mode=Mode.LOW_LATENCY, provider=p), DEVICE) for p in ("torch", "triton")}
     for op in worlds["triton"].ops:
-        op.provider.max_spins = 1000  # a missing signal fails fast: in a loopback world every send came first
+        op.provider.peer_timeout_s = 1.0  # a missing signal fails fast: in a loopback world every send came first
     cfg = worlds["torch"].ops[0].config
     for seed in range(4):
         sender = seed % 2
@@ -274,7 +280,7 @@ def test_stalled_peer_raises_timeout_naming_it_and_the_world_recovers() -> None:
     world = LoopbackWorld(cfg, DEVICE)
     ref_world = LoopbackWorld(replace(cfg, provider=Provider.TORCH), DEVICE)
     for op in world.ops:
-        op.provider.max_spins = 50
+        op.provider.peer_timeout_s = 0.2
     for seed in (1, 2):
         _step(world, *_inputs(cfg, [3, 3], seed))
     xs, weights, ids = _inputs(cfg, [3, 3], seed=7)

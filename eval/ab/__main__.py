@@ -21,17 +21,24 @@ from eval.gsm8k.client import RequestFailed
 from eval.gsm8k.data import DataError, load_questions
 from eval.gsm8k.driver import base_url, run_eval, warn_failures
 from eval.gsm8k.options import add_driver_args, config_from_args
+from mori_sglang import cli
 
 COMBINE_ENV = "SGLANG_MORI_COMBINE_DTYPE"
 
 
 def parse_dtypes(text: str) -> list[str]:
-    dtypes = [d.strip() for d in text.split(",") if d.strip()]
-    unknown = [d for d in dtypes if d not in AB_DTYPES]
-    if unknown or not dtypes:
-        raise argparse.ArgumentTypeError(
-            f"combine dtypes {unknown or text!r}: use a comma list of {', '.join(AB_DTYPES)}"
-        )
+    """A comma list of combine dtypes by their SGLANG_MORI_COMBINE_DTYPE names (long names are aliases)."""
+    dtypes = []
+    for name in (d.strip() for d in text.split(",") if d.strip()):
+        try:
+            dtype = cli.combine_name(cli.combine_dtype(name))
+        except argparse.ArgumentTypeError:
+            dtype = None
+        if dtype not in AB_DTYPES:
+            raise argparse.ArgumentTypeError(f"{name!r}: use a comma list of {', '.join(AB_DTYPES)}")
+        dtypes.append(dtype)
+    if not dtypes:
+        raise argparse.ArgumentTypeError(f"use a comma list of {', '.join(AB_DTYPES)}")
     return dtypes
 
 
@@ -64,10 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch", required=True, help="server command, e.g. 'launch/sglang_h200_moe.sh --model M'")
     parser.add_argument("--combine-dtypes", type=parse_dtypes, default=list(AB_DTYPES), help="comma list")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=cli.port, default=30000)
     parser.add_argument("--seed", type=int, default=1, help="server seed, for the {seed} placeholder")
-    parser.add_argument("--hidden", type=int, default=7168, help="model hidden size, for the payload column")
-    parser.add_argument("--health-timeout", type=float, default=1800.0, help="seconds to wait for a server")
+    parser.add_argument(
+        "--hidden", type=cli.positive_int, default=7168, help="model hidden size, for the payload column"
+    )
+    parser.add_argument(
+        "--health-timeout", type=cli.at_least(1e-3, float), default=1800.0, help="seconds to wait for a server"
+    )
     parser.add_argument("--output-dir", default="ab_out", help="per-dtype results, server logs, the table")
     add_driver_args(parser)
     args = parser.parse_args(argv)

@@ -62,8 +62,8 @@ def download(url: str, dest: Path) -> None:
             if attempt + 1 < DOWNLOAD_ATTEMPTS:
                 time.sleep(2**attempt)
     raise DataError(
-        f"could not download {url} after {DOWNLOAD_ATTEMPTS} attempts ({last_error}); "
-        "pass --data-path with a local copy of test.jsonl"
+        f"could not download {url} to {dest} after {DOWNLOAD_ATTEMPTS} attempts ({last_error}); "
+        "pass --data-path with a local copy of GSM8K's test.jsonl"
     )
 
 
@@ -72,7 +72,10 @@ def load_questions(data_path: str | None) -> tuple[list[dict[str, str]], Path]:
     if data_path is not None:
         path = Path(data_path)
         if not path.is_file():
-            raise DataError(f"--data-path {data_path}: no such file")
+            raise DataError(
+                f"--data-path {data_path}: no such file; omit --data-path to download GSM8K's test set once to "
+                f"{default_cache_path()}"
+            )
     else:
         path = default_cache_path()
         if not path.is_file():

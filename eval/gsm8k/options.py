@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 from eval.gsm8k.client import RetryPolicy
 from eval.gsm8k.driver import EvalConfig
-
-
-def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
-    """An argparse type that rejects values below ``minimum`` with a message naming the bound."""
-
-    def parse(text: str) -> float:
-        value = kind(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
-        return value
-
-    return parse
+from mori_sglang.cli import at_least
 
 
 def add_driver_args(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ import torch
 from eval.layer_accuracy.activations import ActivationSpec, channel_scales, expert_outputs
 from eval.layer_accuracy.metrics import flushed_fraction, median_element_error, relative_error, saturated_fraction
 from mori_sglang import CombineDtype, DispatchDtype, EpConfig, LoopbackWorld, Provider
+from mori_sglang.formats import combine_row_bytes
 
 MODES = (
     CombineDtype.BF16,
@@ -82,7 +83,8 @@ def make_workload(setup: LayerSetup) -> Workload:
     return Workload(tokens, ids, outputs, reference)
 
 
-def run_mode(setup: LayerSetup, work: Workload, mode: CombineDtype) -> ModeResult:
+def mode_config(setup: LayerSetup, mode: CombineDtype) -> EpConfig:
+    """The op config of one mode; sizes the op or the format cannot take raise ConfigError / FormatError."""
     config = EpConfig(
         world_size=setup.world_size,
         rank=0,
@@ -95,6 +97,12 @@ def run_mode(setup: LayerSetup, work: Workload, mode: CombineDtype) -> ModeResul
         provider=setup.provider,
         fp8_dtype=setup.fp8_dtype,
     )
+    combine_row_bytes(mode, setup.hidden, config.combine_block)
+    return config
+
+
+def run_mode(setup: LayerSetup, work: Workload, mode: CombineDtype) -> ModeResult:
+    config = mode_config(setup, mode)
     world = LoopbackWorld(config, setup.device)
     device = world.device
     n, k = setup.tokens_per_rank, setup.topk

@@ -14,8 +14,9 @@ counters reach its round (acquire), and the first of its programs to see that op
 the others. So no buffer is ever reset, no wait kernel runs ahead of the copy, a receive ends without
 any bookkeeping atomics, and a CUDA graph can replay everything. Per round kind (dispatch, combine)
 three local words live on the device: the round, the gate, and whether a receive gave up on the
-round. A receive gives up after ``max_spins`` polls and records ``1 + peer`` in ``status`` for the
-host to raise.
+round. A receive gives up once it has waited ``timeout_ns`` nanoseconds of wall-clock time (the GPU's
+global timer, or the host's clock in Triton's interpreter) and records ``1 + peer`` in ``status`` for
+the host to raise.
 
 On NVIDIA GPUs from Hopper on, every kernel is launched under programmatic dependent launch: it may
 start while the kernel before it in the stream is still ending, and each of its programs waits for
@@ -28,8 +29,13 @@ over: the dispatch send starts while the routing runs, and waits for it before r
 
 from __future__ import annotations
 
+import os
+import time
+
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as cuda_extra
+from triton.language.extra import hip as hip_extra
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Every row in an arena starts on this many bytes (the host checks it): lets loads and stores through
@@ -115,15 +121,60 @@ def _advance_round(round_ptr):
     tl.store(round_ptr + 2, 0)
 
 
+# Which clock a receive's deadline reads (the CLOCK constexpr of the receive kernels).
+CLOCK_HOST = 0  # Triton's interpreter: the host's monotonic clock, in ns
+CLOCK_CUDA = 1  # NVIDIA: %globaltimer, in ns
+CLOCK_HIP = 2  # AMD: s_memrealtime, a 100 MHz counter
+HIP_NS_PER_TICK = tl.constexpr(10)
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+
+    @triton.jit
+    def _host_clock_ns():
+        """The host's clock, read by the interpreter as it runs the kernel's Python."""
+        return tl.full((), time.monotonic_ns(), tl.int64)
+
+else:
+
+    @triton.jit
+    def _host_clock_ns():
+        """Compiled kernels read their GPU's clock (the provider picks CLOCK_HOST only when interpreting);
+        a compiled kernel cannot call the host."""
+        return tl.full((), 0, tl.int64)
+
+
 @triton.jit
-def _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W: tl.constexpr, WP: tl.constexpr):
+def _clock_ns(CLOCK: tl.constexpr):
+    """Nanoseconds from a fixed origin, read by the program itself: the deadline is wall-clock time
+    wherever the kernel runs, however fast or slow a poll is."""
+    if CLOCK == 0:
+        now = _host_clock_ns()
+    elif CLOCK == 1:
+        now = cuda_extra.globaltimer()
+    else:
+        now = hip_extra.memrealtime() * HIP_NS_PER_TICK
+    return now
+
+
+@triton.jit
+def _await_round(
+    arena_ptr,
+    arrivals_offset,
+    round_ptr,
+    status_ptr,
+    timeout_ns,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    CLOCK: tl.constexpr,
+):
     """Wait until every sender's arrival counter reaches this rank's round ``round_ptr[0]``.
     ``round_ptr[1]`` is a local gate: the round whose senders a program of this rank has already seen
     arrive (acquire, system scope), which it then publishes (release, GPU scope). A program that finds
     the gate open needs one atomic instead of one per sender, and the causality chain sender -> first
     program -> this program orders the rows before its reads. Otherwise it polls all senders at once and
-    gives up after ``max_spins`` polls, or at once when another program gave up on this round
-    (``round_ptr[2]``), recording ``1 + the first late sender`` in ``status[0]`` for the host."""
+    gives up after ``timeout_ns`` of wall-clock time, or at once when another program gave up on this
+    round (``round_ptr[2]``), recording ``1 + the first late sender`` in ``status[0]`` for the host."""
     target = tl.load(round_ptr)
     gate = round_ptr + 1
     if tl.atomic_add(gate, 0, sem="acquire", scope="gpu") < target:
@@ -131,15 +182,16 @@ def _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W
         senders = w_offs < W
         arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
         late = _late_senders(arrivals, senders, target)
-        spins = 0
+        deadline = _clock_ns(CLOCK) + timeout_ns
+        in_time = True
         gave_up_ptr = round_ptr + 2
         # A scalar atomic reaches every warp of the program with one value (a load would be read by each
         # warp on its own, and warps that leave the loop apart would meet different barriers).
         gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
-        while (tl.max(late.to(tl.int32), 0) > 0) & (spins < max_spins) & (gave_up == 0):
+        while (tl.max(late.to(tl.int32), 0) > 0) & in_time & (gave_up == 0):
             late = _late_senders(arrivals, senders, target)
             gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
-            spins += 1
+            in_time = _clock_ns(CLOCK) < deadline
         if tl.max(late.to(tl.int32), 0) > 0:
             tl.atomic_max(status_ptr, tl.min(tl.where(late, w_offs, WP), 0) + 1)
             tl.atomic_xchg(gave_up_ptr, 1)
@@ -203,6 +255,19 @@ def _e2m1(v):
 
 
 @triton.jit
+def _finite_amax(x, axis: tl.constexpr):
+    """Largest magnitude along ``axis`` with NaN counted as 0, infinity kept (formats._finite_amax)."""
+    return tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=axis)
+
+
+@triton.jit
+def _saturate_fp8(v, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
+    """Saturating cast to the fp8 flavour, every NaN made the canonical one (formats.saturating_fp8_cast)."""
+    v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(v != v, float("nan"), v).to(FP8)
+
+
+@triton.jit
 def _row_pointers(addresses, dtype: tl.constexpr):
     """Byte addresses of arena rows -> typed pointers the compiler knows are ROW_ALIGN-aligned."""
     return tl.multiple_of(addresses.to(tl.pointer_type(dtype)), ROW_ALIGN)
@@ -225,7 +290,7 @@ def _tokens_to(
     k_offs = tl.arange(0, KP)
     rows = n0 + tl.arange(0, BLOCK_N)
     mask = (rows < num_tokens)[:, None] & (k_offs < K)[None, :]
-    ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1).to(tl.int32)
+    ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1)
     dest = tl.where((ids >= 0) & (ids < num_experts), ids // num_local_experts, -1)
     here = (dest == d) & mask
     first = tl.min(tl.where(here, k_offs[None, :], KP), axis=1)
@@ -285,8 +350,9 @@ def route_kernel(
     that point at d; programs (0, b) also write -1 for dropped slots (id < 0). Same result as
     routing.plan_dispatch. ``row_of_pair`` gets the byte address of the owner's row in rank d's arena
     (0 for the other slots), so that the send kernel finds its destinations in one load.
-       An id past the last expert is dropped too, and programs (0, b) record ``id + 1`` in ``status[1]``
-    so that the host raises without a synchronisation on the hot path.
+       An id past the last expert is dropped too, and programs (0, b) record ``id - (num_experts - 1)``
+    (at least 1, and no overflow for any int64 id) in ``status[1]`` so that the host raises without a
+    synchronisation on the hot path. Ids are int32 or int64, read as they are: none is truncated.
     """
     _routing_start(PDL)
     d = tl.program_id(0)
@@ -312,7 +378,7 @@ def route_kernel(
         dropped = mask & (dest < 0)
         tl.store(slot_of_pair_ptr + pair, tl.full(slot.shape, -1, tl.int64), mask=dropped)
         tl.store(row_of_pair_ptr + pair, tl.zeros(slot.shape, tl.int64), mask=dropped)
-        too_big = tl.max(tl.where(mask & (ids >= num_experts), ids + 1, 0))
+        too_big = tl.max(tl.where(mask & (ids >= num_experts), ids.to(tl.int64) - (num_experts - 1), 0))
         if too_big > 0:
             tl.atomic_max(status_ptr + 1, too_big)
     if b == nb - 1:
@@ -356,6 +422,7 @@ def dispatch_send_kernel(
     tickets_ptr,
     round_ptr,
     num_tokens,
+    num_experts,
     rank,
     counts_offset,
     arrivals_offset,
@@ -385,12 +452,14 @@ def dispatch_send_kernel(
     into the slot of every distinct destination rank, all destinations in one store per tile. QUANT
     quantizes the bf16 token on the way, exactly as formats.quantize_dispatch: 1 = fp8 (f32 scale per
     128), 2 = mxfp8, 3 = mxfp4 (e8m0 per 32, EMAX the element type's largest exponent); with 0 the
-    payload words are copied as they are.
+    payload words are copied as they are. A partial last group holds the token's last elements (the
+    rest load as zeros); MX scale rows end in zero bytes up to a whole dword, the scales of groups with
+    no elements. Ids travel as int32, an id that routes nowhere (negative, or past the last expert) as -1.
        A work item is one tile (TILE_GROUPS scale groups, or BLOCK words when copying) of one token, so
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
     tile 0 also writes the pad, the weights and the ids. The inputs are read as the caller made them:
     the tokens' words and the scale rows' words whatever their dtype, f32 or 16-bit weights (sent as
-    f32), int32 or int64 ids (sent as int32, as ``Tensor.int`` makes them).
+    f32), int32 or int64 ids.
        A program loads its next item's input before it works on the current one, so that two items'
     loads are in flight: the send is bound by the bytes it keeps in flight, and the extra registers
     (99 instead of 80 per thread for fp8, 168 instead of 96 for a copy) cost less than that gains."""
@@ -411,37 +480,46 @@ def dispatch_send_kernel(
         rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
         present = rows != 0
         if (QUANT == 1) or (QUANT == 2):
-            NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
+            if QUANT == 1:
+                NUM_GROUPS: tl.constexpr = (HIDDEN + GROUP - 1) // GROUP
+            else:
+                NUM_GROUPS: tl.constexpr = (HIDDEN + 4 * GROUP - 1) // (4 * GROUP) * 4
             groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
             elem = tile * TILE_ELEMS + tl.arange(0, TILE_ELEMS)
             in_range = elem < HIDDEN
             x = x_now.to(tl.float32)
             x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
             if QUANT == 1:  # f32 scale amax / max; payload x * (max / amax)
-                amax = tl.maximum(tl.max(tl.abs(x2), axis=1), 1e-10)
+                amax = tl.maximum(_finite_amax(x2, 1), 1e-10)
                 scale_row = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
                 scaled = x2 * tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)[:, None]
             else:  # e8m0 byte; payload x / 2^exponent
-                exponent, inverse = _e8m0(tl.max(tl.abs(x2), axis=1), EMAX)
-                scale_row = (exponent + 127).to(tl.uint8)
+                exponent, inverse = _e8m0(_finite_amax(x2, 1), EMAX)
+                infinite = tl.max((tl.abs(x2) == float("inf")).to(tl.int32), axis=1) > 0
+                scale_row = tl.where(infinite, 255, exponent + 127).to(tl.uint8)
                 scaled = x2 * inverse[:, None]
-            q2 = tl.clamp(scaled, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+            q2 = _saturate_fp8(scaled, FP8_MAX, FP8)
             _store_all(rows, 0, elem, tl.reshape(q2, (TILE_ELEMS,)), in_range, present, TILE_ELEMS, KP)
             _store_all(rows, SCALE_AT * 4, groups, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         elif QUANT == 3:
-            NUM_GROUPS: tl.constexpr = HIDDEN // GROUP
+            NUM_GROUPS: tl.constexpr = (HIDDEN + 4 * GROUP - 1) // (4 * GROUP) * 4
             PAIRS: tl.constexpr = GROUP // 2
             TILE: tl.constexpr = TILE_GROUPS * PAIRS  # packed bytes
             groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
             x = x_now.to(tl.float32)
             even, odd = tl.split(tl.reshape(x, (TILE_GROUPS, PAIRS, 2)))
-            amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
+            amax = tl.maximum(_finite_amax(even, 1), _finite_amax(odd, 1))
             exponent, inverse = _e8m0(amax, EMAX)
+            # e2m1 holds neither NaN nor infinity: such a group's scale is e8m0's NaN code, its NaNs code 0.
+            bad = (even != even) | (odd != odd) | (tl.abs(even) == float("inf")) | (tl.abs(odd) == float("inf"))
+            poisoned = tl.max(bad.to(tl.int32), axis=1) > 0
+            even = tl.where(even != even, 0.0, even)
+            odd = tl.where(odd != odd, 0.0, odd)
             packed = _e2m1(even * inverse[:, None]) | (_e2m1(odd * inverse[:, None]) << 4)
             byte = tile * TILE + tl.arange(0, TILE)
             packed = tl.reshape(packed.to(tl.uint8), (TILE,))
             _store_all(rows, 0, byte, packed, byte < HIDDEN // 2, present, TILE, KP)
-            e8m0 = (exponent + 127).to(tl.uint8)
+            e8m0 = tl.where(poisoned, 255, exponent + 127).to(tl.uint8)
             _store_all(rows, SCALE_AT * 4, groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         else:
             word = tile * BLOCK + offs
@@ -456,7 +534,8 @@ def dispatch_send_kernel(
             _store_all(rows, SCALE_AT * 4, in_row, scale_words, region, present, PAD_BLOCK, KP)
             weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask).to(tl.float32)
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
-            ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask).to(tl.int32)
+            ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
+            ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
             _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
         _advance_round(round_ptr)
@@ -476,7 +555,7 @@ def dispatch_recv_kernel(
     recv_counts_out,
     round_ptr,
     status_ptr,
-    max_spins,
+    timeout_ns,
     max_tokens,
     counts_offset,
     arrivals_offset,
@@ -492,12 +571,13 @@ def dispatch_recv_kernel(
     WP: tl.constexpr,
     BLOCK: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    CLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Wait for every sender, then copy the received rows out compact, ordered by source rank."""
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
-    _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W, WP)
+    _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, timeout_ns, W, WP, CLOCK)
     w_offs = tl.arange(0, WP)
     counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
     counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
@@ -534,38 +614,41 @@ def _quantize_blocks(
     src,
     dst,
     first_block,
+    has_row,
     HIDDEN: tl.constexpr,
+    SCALE_AT: tl.constexpr,
     FORMAT: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
     ITEM_BLOCKS: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
     FP8: tl.constexpr,
 ):
     """Blocks [first_block, first_block + ITEM_BLOCKS) of one expert output row -> its combine wire row
-    (the torch reference in formats.py, bit for bit). The native format's sign flag depends on the whole
-    row, so it is quantized as one item."""
-    NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
+    (the torch reference in formats.py, bit for bit); the last block may be partial. The native
+    format's sign flag depends on the whole row, so it is quantized as one item. Without ``has_row``
+    (the expert outputs hold fewer rows than were received) nothing is read and the row is zeros."""
+    NUM_BLOCKS: tl.constexpr = (HIDDEN + BLOCK - 1) // BLOCK
     cols = tl.arange(0, BLOCK_P2)
     any_scaled = tl.full((), 0, tl.int32)
     first_scale = tl.full((), 0.0, tl.float32)
     for b in tl.static_range(0, ITEM_BLOCKS, TILE_BLOCKS):
         blocks = first_block + b + tl.arange(0, TILE_BLOCKS)
         elem = blocks[:, None] * BLOCK + cols[None, :]
-        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
-        x = tl.load(src + elem, mask=mask, other=0.0).to(tl.float32)
+        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :] & (elem < HIDDEN)
+        x = tl.load(src + elem, mask=mask & has_row, other=0.0).to(tl.float32)
         if FORMAT == 0:
             tl.store(dst.to(tl.pointer_type(tl.bfloat16)) + elem, x.to(tl.bfloat16), mask=mask)
         elif FORMAT == 1:
-            q = tl.clamp(x, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
-            tl.store(dst.to(tl.pointer_type(FP8)) + elem, q, mask=mask)
+            tl.store(dst.to(tl.pointer_type(FP8)) + elem, _saturate_fp8(x, FP8_MAX, FP8), mask=mask)
         else:
-            amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
+            amax = _finite_amax(x, 1)
             if FORMAT == 2:
                 nonzero = amax > 0
-                safe_amax = tl.where(nonzero, amax, 1.0)
-                scale = tl.where(nonzero, tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+                safe_amax = tl.where(nonzero, tl.maximum(amax, MIN_AMAX), 1.0)
+                scale = tl.where(nonzero, tl.div_rn(safe_amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
                 inv = tl.where(nonzero, tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe_amax), 1.0)
                 q = x * inv[:, None]
             else:
@@ -577,28 +660,30 @@ def _quantize_blocks(
                 any_scaled = tl.maximum(any_scaled, tl.max(scaled.to(tl.int32), axis=0))
                 if b == 0:
                     first_scale = tl.sum(tl.where(blocks == 0, scale, 0.0), axis=0)
-            q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
-            tl.store(dst.to(tl.pointer_type(FP8)) + elem, q, mask=mask)
-            scales = (dst + HIDDEN).to(tl.pointer_type(tl.float32))
+            tl.store(dst.to(tl.pointer_type(FP8)) + elem, _saturate_fp8(q, FP8_MAX, FP8), mask=mask)
+            scales = (dst + SCALE_AT).to(tl.pointer_type(tl.float32))
             tl.store(scales + blocks, scale, mask=blocks < NUM_BLOCKS)
     if FORMAT == 3:
         tl.debug_barrier()
         if any_scaled > 0:
-            tl.store((dst + HIDDEN).to(tl.pointer_type(tl.float32)), -first_scale)
+            tl.store((dst + SCALE_AT).to(tl.pointer_type(tl.float32)), -first_scale)
 
 
 @triton.jit
 def combine_send_kernel(
     peer_bases,
     y_ptr,
+    y_rows,
     recv_counts_ptr,
     tickets_ptr,
     round_ptr,
+    status_ptr,
     rank,
     max_tokens,
     combine_offset,
     arrivals_offset,
     HIDDEN: tl.constexpr,
+    SCALE_AT: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     FORMAT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -607,19 +692,25 @@ def combine_send_kernel(
     ITEM_BLOCKS: tl.constexpr,
     ITEMS: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
     FP8: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Quantize each received row's expert output straight into its source rank's combine slot; a work
-    item is ITEM_BLOCKS blocks of one row (ITEMS per row). The last program to finish signals."""
+    item is ITEM_BLOCKS blocks of one row (ITEMS per row). The last program to finish signals.
+       Expert outputs of fewer rows (``y_rows``) than were received are never read past their end: the
+    missing rows travel as zeros and program 0 records ``1 + received`` in ``status[2]``, which the
+    host raises at its next status check, without a synchronisation here."""
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
     w_offs = tl.arange(0, WP)
     counts = tl.load(recv_counts_ptr + w_offs, mask=w_offs < W, other=0)
     total = tl.sum(counts, 0)
     programs = tl.num_programs(0)
+    if (pid == 0) & (total > y_rows):
+        tl.atomic_max(status_ptr + 2, total + 1)
     for item in range(pid, total * ITEMS, programs):
         j = item // ITEMS
         src, pos = _source_of_row(counts, j, WP)
@@ -628,16 +719,19 @@ def combine_send_kernel(
         dst = tl.multiple_of(dst, ROW_ALIGN)
         first_block = (item % ITEMS) * ITEM_BLOCKS
         _quantize_blocks(
-            y_ptr + j * HIDDEN,
+            y_ptr + tl.minimum(j, y_rows - 1).to(tl.int64) * HIDDEN,
             dst,
             first_block,
+            j < y_rows,
             HIDDEN,
+            SCALE_AT,
             FORMAT,
             BLOCK,
             BLOCK_P2,
             TILE_BLOCKS,
             ITEM_BLOCKS,
             FP8_MAX,
+            MIN_AMAX,
             FP8,
         )
     # The grid covers the most rows a rank can receive: only programs with items take a ticket.
@@ -654,11 +748,12 @@ def combine_recv_kernel(
     out_ptr,
     round_ptr,
     status_ptr,
-    max_spins,
+    timeout_ns,
     num_tokens,
     combine_offset,
     arrivals_offset,
     HIDDEN: tl.constexpr,
+    SCALE_AT: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     FORMAT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -668,14 +763,16 @@ def combine_recv_kernel(
     K: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
+    CLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Wait for every sender, then per token: dequantize its returned rows and add them in f32 in top-k
-    order, cast once to bf16. A work item is one tile of TILE_BLOCKS blocks of one token."""
+    order, cast once to bf16. A work item is one tile of TILE_BLOCKS blocks of one token; the last
+    block may be partial."""
     _after_previous_kernel(PDL)
     pid = tl.program_id(0)
-    _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, max_spins, W, WP)
-    NUM_BLOCKS: tl.constexpr = HIDDEN // BLOCK
+    _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, timeout_ns, W, WP, CLOCK)
+    NUM_BLOCKS: tl.constexpr = (HIDDEN + BLOCK - 1) // BLOCK
     TILES: tl.constexpr = (NUM_BLOCKS + TILE_BLOCKS - 1) // TILE_BLOCKS
     rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
     cols = tl.arange(0, BLOCK_P2)
@@ -683,7 +780,7 @@ def combine_recv_kernel(
         n = item // TILES
         blocks = (item % TILES) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
         elem = blocks[:, None] * BLOCK + cols[None, :]
-        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :]
+        mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :] & (elem < HIDDEN)
         acc = tl.zeros((TILE_BLOCKS, BLOCK_P2), dtype=tl.float32)
         for k in tl.static_range(K):
             slot = tl.load(slot_of_pair_ptr + n * K + k)
@@ -695,7 +792,7 @@ def combine_recv_kernel(
             else:
                 v = tl.load(row.to(tl.pointer_type(FP8)) + elem, mask=m, other=0.0).to(tl.float32)
                 if FORMAT >= 2:
-                    scales = (row + HIDDEN).to(tl.pointer_type(tl.float32))
+                    scales = (row + SCALE_AT).to(tl.pointer_type(tl.float32))
                     s = tl.load(scales + blocks, mask=(blocks < NUM_BLOCKS) & present, other=1.0)
                     if FORMAT == 3:
                         flagged = tl.load(scales, mask=present, other=1.0) < 0

@@ -9,16 +9,17 @@ import torch
 
 
 class DeviceStatus:
-    """A small int32 vector kernels set (0 = fine). On CPU the host reads it at once; on a GPU each
-    ``publish`` copies it to pinned memory behind an event, and the next ``pending`` reads that copy
-    once the event has passed, so a bad step raises one call later instead of stalling every call.
+    """A small int64 vector kernels set (0 = fine; int64 holds what any int64 expert id flags). On CPU
+    the host reads it at once; on a GPU each ``publish`` copies it to pinned memory behind an event,
+    and the next ``pending`` reads that copy once the event has passed, so a bad step raises one call
+    later instead of stalling every call.
     Inside CUDA graph capture nothing is published (the flags stay on the device for ``read``)."""
 
     def __init__(self, size: int, device: torch.device) -> None:
-        self.flags = torch.zeros(size, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(size, dtype=torch.int64, device=device)
         self._on_gpu = device.type == "cuda"
         if self._on_gpu:
-            self._host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+            self._host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
             self._event = torch.cuda.Event()
 
     def read(self) -> list[int]:
@@ -50,15 +51,15 @@ class DeviceStatus:
 
 
 class MappedStatus:
-    """A small int32 vector kernels set (0 = fine), in host memory that kernels write through: pinned
+    """A small int64 vector kernels set (0 = fine), in host memory that kernels write through: pinned
     memory on a GPU, which the device addresses directly (unified addressing), a plain tensor on CPU.
     The host reads it at any time without a copy, an event or a synchronisation, so a step moves
     nothing from the device to the host; a flag set by a step shows at a later call (or at once after
     a synchronisation). Kernels write it only when something went wrong."""
 
     def __init__(self, size: int, device: torch.device) -> None:
-        self.flags = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._words = (ctypes.c_int32 * size).from_address(self.flags.data_ptr())
+        self.flags = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._words = (ctypes.c_int64 * size).from_address(self.flags.data_ptr())
 
     def read(self) -> list[int]:
         """The flags now, cleared for the next step."""

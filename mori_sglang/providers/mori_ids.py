@@ -24,11 +24,12 @@ from mori_sglang.providers.device_status import DeviceStatus
 
 
 def flag_past_last(ids: torch.Tensor, num_experts: int, status: DeviceStatus) -> torch.Tensor:
-    """Record 1 + the largest id past the last expert in ``status`` (raised one call later); returns
-    the mask of dropped slots (those ids and negative ones)."""
+    """Record the largest id past the last expert, minus (num_experts - 1), in ``status`` (raised one
+    call later; at least 1, and no overflow for any int64 id); returns the mask of dropped slots (those
+    ids and negative ones). Compared as they come, so that no int64 id is truncated."""
     over = ids >= num_experts
     if ids.numel():
-        flag = torch.where(over, ids.to(torch.int32) + 1, 0).amax()
+        flag = torch.where(over, ids.long() - (num_experts - 1), 0).amax()
         torch.maximum(status.flags[0], flag, out=status.flags[0])
     return over | (ids < 0)
 

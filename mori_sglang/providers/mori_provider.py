@@ -92,6 +92,7 @@ class MoriProvider:
 
     name = "mori"
     fused_quantization: frozenset[DispatchDtype] = frozenset()
+    keeps_old_handles = False  # MoRI's combine reads the state of the op's last dispatch
 
     def __new__(cls, config: EpConfig, *args: object, **kwargs: object) -> MoriProvider:
         if cls is MoriProvider:
@@ -119,10 +120,10 @@ class MoriProvider:
         # On a GPU the ids are checked on the device and a bad one raises at the next receive; on CPU
         # the op checks them before sending (a synchronisation costs nothing there).
         self.checks_ids_on_device = device.type == "cuda"
-        self._status = DeviceStatus(1, device)  # 1 + the largest expert id past the last expert
+        self._status = DeviceStatus(1, device)  # the largest expert id past the last, minus (num_experts - 1)
 
     def check_status(self) -> None:
         """Raise if a dispatch met an expert id past the last expert (those copies were dropped)."""
         (bad_id,) = self._status.read()
         if bad_id:
-            raise expert_id_error(bad_id - 1, self.config.num_experts, dropped=True)
+            raise expert_id_error(bad_id + self.config.num_experts - 1, self.config.num_experts, dropped=True)

@@ -14,8 +14,9 @@ import torch
 from mori_sglang import formats
 from mori_sglang.config import EpConfig, Mode
 from mori_sglang.exchange import Exchange, Pending
+from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.routing import SendPlan, plan_dispatch, source_of_rows
-from mori_sglang.types import CombineHandle, DispatchOutput
+from mori_sglang.types import CombineHandle, DispatchOutput, short_expert_outputs_error
 
 
 @dataclass
@@ -38,6 +39,8 @@ class TorchProvider:
 
     name = "torch"
     fused_quantization: frozenset = frozenset()
+    # Every handle holds tensors of its own: a combine may use an older dispatch's handle.
+    keeps_old_handles = True
 
     def __init__(self, config: EpConfig, exchange: Exchange, device: torch.device, fp8_dtype: torch.dtype):
         self.config = config
@@ -46,6 +49,15 @@ class TorchProvider:
         self.fp8_dtype = fp8_dtype
         self._dispatch: _PendingDispatch | None = None
         self._combine: _PendingCombine | None = None
+        # 1 + the rows a low-latency combine needed where the expert outputs held fewer (compared on the
+        # device: that mode never synchronises with the host).
+        self._status = DeviceStatus(1, device)
+
+    def check_status(self) -> None:
+        """Raise if a combine got fewer expert output rows than its dispatch received."""
+        (rows_needed,) = self._status.read()
+        if rows_needed:
+            raise short_expert_outputs_error(rows_needed - 1)
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -139,6 +151,9 @@ class TorchProvider:
         if cfg.combine_mode is Mode.LOW_LATENCY:
             slots = cfg.world_size * cfg.max_tokens_per_rank
             capacity = min(y.shape[0], cfg.max_recv_tokens)
+            received = handle.num_recv.long().view(())
+            flag = self._status.flags[0]
+            torch.maximum(flag, torch.where(received > y.shape[0], received + 1, 0), out=flag)
             wire = self._wire_rows(y[:capacity])
             rows = torch.arange(capacity, device=self.device)
             target = handle.recv_src[:capacity] * cfg.max_tokens_per_rank + handle.recv_pos[:capacity]
@@ -166,6 +181,7 @@ class TorchProvider:
         back = back.reshape(-1, back.shape[-1])
         values = formats.dequantize_combine(back, cfg.combine_dtype, cfg.hidden, self.fp8_dtype, cfg.combine_block)
         address = handle.slot_of_pair if pending.fixed_slots else handle.copy_of_pair
+        self._status.after_step(self.check_status)  # short expert outputs raise (on a GPU one call later)
         return accumulate_copies(values, address)
 
 

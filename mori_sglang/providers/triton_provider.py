@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -23,13 +22,20 @@ import triton
 import triton.language as tl
 
 from mori_sglang import env, formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.exchange import LoopbackHub
-from mori_sglang.kernels import transport
+from mori_sglang.kernels import interpreter, transport
 from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.providers.arena import Arena, ArenaLayout
 from mori_sglang.providers.device_status import MappedStatus
-from mori_sglang.types import CombineHandle, DispatchOutput, expert_id_error
+from mori_sglang.types import (
+    CombineHandle,
+    DispatchOutput,
+    PeerTimeoutError,
+    expert_id_error,
+    peer_timeout_error,
+    short_expert_outputs_error,
+)
 
 COMBINE_FORMAT = {
     CombineDtype.BF16: transport.COMBINE_BF16,
@@ -107,17 +113,36 @@ TICKETS = ("dispatch_send", "combine_send")
 
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
 INTERPRETER_PROGRAMS = 2
-# Polls before a receive gives up on a peer: seconds on a GPU, far beyond any healthy step.
-DEFAULT_MAX_SPINS = 1 << 26
+# The formats whose wire rows carry no scales: their kernels tile a row in blocks of this many elements,
+# whatever MORI_FP8_COMBINE_SCALE_DIM says.
+UNSCALED_COMBINE_BLOCK = 128
 
-
-class PeerTimeoutError(TimeoutError):
-    """A receive waited past its bound for a peer that never signalled."""
+__all__ = ["KernelTuning", "PeerTimeoutError", "TritonProvider"]
 
 
 def _words(nbytes: int) -> int:
     assert nbytes % 4 == 0, nbytes
     return nbytes // 4
+
+
+def check_word_rows(config: EpConfig, layout: formats.DispatchRowLayout) -> None:
+    """The kernels move dispatch tokens in 4-byte words: refuse, naming hidden, a token that is not."""
+    if layout.token_bytes % 4:
+        rule = {DispatchDtype.BF16: "even", DispatchDtype.MXFP4: "a multiple of 8"}.get(
+            config.dispatch_dtype, "a multiple of 4"
+        )
+        raise ConfigError(
+            f"hidden={config.hidden}: the triton provider moves {config.dispatch_dtype.value} tokens in 4-byte "
+            f"words and a token is {layout.token_bytes} B; use a hidden that is {rule}, or "
+            "SGLANG_MORI_BACKEND=torch"
+        )
+
+
+def clock_kind(device: torch.device) -> int:
+    """Which clock the receive kernels' deadline reads (transport.CLOCK_*)."""
+    if device.type == "cpu" or interpreter.interpreting():
+        return transport.CLOCK_HOST
+    return transport.CLOCK_HIP if torch.version.hip else transport.CLOCK_CUDA
 
 
 class TritonProvider:
@@ -126,6 +151,7 @@ class TritonProvider:
     name = "triton"
     fused_quantization = frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4})
     checks_ids_on_device = True
+    keeps_old_handles = False  # handles point at the op's buffers, which the next dispatch reuses
 
     def __init__(
         self,
@@ -137,15 +163,21 @@ class TritonProvider:
         group: dist.ProcessGroup | None = None,
         loopback: LoopbackHub | None = None,
         programs: int | None = None,
-        max_spins: int = DEFAULT_MAX_SPINS,
         tuning: KernelTuning | None = None,
     ) -> None:
-        if device.type == "cpu" and not _interpreting():
-            raise RuntimeError("the triton provider on CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        if device.type == "cpu":
+            if not interpreter.interpreting():
+                raise ConfigError(
+                    "the triton provider on a CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1, "
+                    "or use the torch provider (SGLANG_MORI_BACKEND=torch)"
+                )
+            interpreter.install_exact_casts()
+        check_word_rows(config, layout)
         self.config = config
         self.device = device
         self.fp8_dtype = fp8_dtype
-        self._max_spins = max_spins
+        self.peer_timeout_s = config.peer_timeout_s
+        self._clock = clock_kind(device)
         self._tuning = tuning or KernelTuning()
         self._programs = programs
         self._sms = multiprocessors(device)
@@ -168,8 +200,10 @@ class TritonProvider:
         self.rounds = torch.zeros(2, 3, dtype=torch.int64, device=device)
         # Per send kernel: work done so far in the running launch, back to 0 at its end.
         self._tickets = torch.zeros(len(TICKETS), dtype=torch.int32, device=device)
-        # status[0]: 1 + a peer a receive gave up on; status[1]: 1 + the largest out-of-range expert id.
-        self._status = MappedStatus(2, device)
+        # status[0]: 1 + a peer a receive gave up on; status[1]: the largest expert id past the last minus
+        # (num_experts - 1); status[2]: 1 + the rows a combine needed where the expert outputs held fewer.
+        self._status = MappedStatus(3, device)
+        self._no_rows = torch.zeros(1, config.hidden, dtype=torch.bfloat16, device=device)
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
         self.scales_out = torch.empty(capacity, _words(layout.scale_stride), dtype=torch.int32, device=device)
         self.weights_out = torch.empty(capacity, config.topk, dtype=torch.float32, device=device)
@@ -199,15 +233,6 @@ class TritonProvider:
     @tuning.setter
     def tuning(self, tuning: KernelTuning) -> None:
         self._tuning = tuning
-        self._launches.clear()
-
-    @property
-    def max_spins(self) -> int:
-        return self._max_spins
-
-    @max_spins.setter
-    def max_spins(self, spins: int) -> None:
-        self._max_spins = spins
         self._launches.clear()
 
     def _cached(self, key: tuple, make: Callable[..., object], *args: object):
@@ -253,15 +278,15 @@ class TritonProvider:
             self._peers_ready = True
 
     def check_status(self) -> None:
-        """Raise if a receive gave up on a peer or a dispatch met an expert id out of range."""
-        stalled, bad_id = self._status.read()
+        """Raise if a receive gave up on a peer, a dispatch met an expert id out of range or a combine
+        got fewer expert output rows than its dispatch received."""
+        stalled, bad_id, rows_needed = self._status.read()
         if bad_id:
-            raise expert_id_error(bad_id - 1, self.config.num_experts, dropped=True)
+            raise expert_id_error(bad_id + self.config.num_experts - 1, self.config.num_experts, dropped=True)
+        if rows_needed:
+            raise short_expert_outputs_error(rows_needed - 1)
         if stalled:
-            raise PeerTimeoutError(
-                f"rank {self.config.rank} waited {self.max_spins} polls for rank {stalled - 1}, which never "
-                "signalled; it is stalled, crashed or ran a different number of dispatch/combine calls"
-            )
+            raise peer_timeout_error(self.config.rank, stalled - 1, self.peer_timeout_s)
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -343,7 +368,9 @@ class TritonProvider:
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         tile_groups = max(1, self.tuning.send_tile // group)
         if quantize:
-            tiles = triton.cdiv(cfg.hidden // group, tile_groups)
+            # MX scale rows end in zero pad bytes up to a dword: the tiles cover those "groups" too.
+            scale_entries = layout.scale_bytes // (4 if cfg.dispatch_dtype is DispatchDtype.FP8 else 1)
+            tiles = triton.cdiv(scale_entries, tile_groups)
         else:
             tiles = triton.cdiv(_words(layout.token_bytes), self.tuning.copy_block)
         fixed = {
@@ -353,6 +380,7 @@ class TritonProvider:
             "tickets_ptr": self._ticket("dispatch_send"),
             "round_ptr": self.rounds[0],
             "num_tokens": num_tokens,
+            "num_experts": cfg.num_experts,
             "rank": cfg.rank,
             "counts_offset": self.arena_layout.counts_offset,
             "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
@@ -405,8 +433,12 @@ class TritonProvider:
         raise RuntimeError(f"{kind}_recv called without a {kind}_send before it (each send is received once)")
 
     def _wait_args(self, round_index: int) -> dict[str, object]:
-        """The receive kernels' round, status and spin bound arguments."""
-        return {"round_ptr": self.rounds[round_index], "status_ptr": self._status.flags, "max_spins": self.max_spins}
+        """The receive kernels' round, status and deadline arguments."""
+        return {
+            "round_ptr": self.rounds[round_index],
+            "status_ptr": self._status.flags,
+            "timeout_ns": int(self.peer_timeout_s * 1e9),
+        }
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
         if self._sent is None:
@@ -468,20 +500,29 @@ class TritonProvider:
                 "WP": triton.next_power_of_2(cfg.world_size),
                 "BLOCK": self.tuning.copy_block,
                 "SCALE_BLOCK": triton.next_power_of_2(max(1, _words(layout.scale_stride))),
+                "CLOCK": self._clock,
                 "num_warps": self.tuning.recv_warps,
             },
         )
 
     # -- combine ------------------------------------------------------------------------------
 
+    @property
+    def _combine_block(self) -> int:
+        """Elements per block: the scale block of blockwise formats, a fixed tile for the others."""
+        if self.config.combine_dtype in (CombineDtype.BF16, CombineDtype.FP8_DIRECT_CAST):
+            return UNSCALED_COMBINE_BLOCK
+        return self.config.combine_block
+
     def _combine_meta(self, tile: int) -> dict[str, object]:
         cfg = self.config
-        block_p2 = triton.next_power_of_2(cfg.combine_block)
+        block_p2 = triton.next_power_of_2(self._combine_block)
         return {
             "HIDDEN": cfg.hidden,
+            "SCALE_AT": formats.combine_scale_offset(cfg.hidden),
             "ROW_STRIDE": self.arena_layout.combine_row_stride,
             "FORMAT": COMBINE_FORMAT[cfg.combine_dtype],
-            "BLOCK": cfg.combine_block,
+            "BLOCK": self._combine_block,
             "BLOCK_P2": block_p2,
             "TILE_BLOCKS": max(1, tile // block_p2),
         }
@@ -489,13 +530,14 @@ class TritonProvider:
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         self._ensure_peers()
         send = self._cached(("combine_send",), self._combine_send_launch)
-        send(_contiguous(y))
+        rows = y.shape[0]
+        send(_contiguous(y) if rows else self._no_rows, rows)
         self._combine_handle = handle
 
     def _combine_send_launch(self) -> BoundLaunch:
         cfg = self.config
         meta = self._combine_meta(self.tuning.combine_send_tile)
-        num_blocks = cfg.hidden // cfg.combine_block
+        num_blocks = formats.num_blocks(cfg.hidden, self._combine_block)
         # The native format's sign flag covers the whole row: one item per row.
         whole_row = cfg.combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE
         tile_blocks = meta["TILE_BLOCKS"]
@@ -509,6 +551,7 @@ class TritonProvider:
                 "recv_counts_ptr": self.recv_counts,
                 "tickets_ptr": self._ticket("combine_send"),
                 "round_ptr": self.rounds[1],
+                "status_ptr": self._status.flags,
                 "rank": cfg.rank,
                 "max_tokens": cfg.max_tokens_per_rank,
                 "combine_offset": self.arena_layout.combine_offset,
@@ -519,13 +562,14 @@ class TritonProvider:
                 "ITEM_BLOCKS": item_blocks,
                 "ITEMS": items,
                 "FP8_MAX": formats.fp8_max(self.fp8_dtype),
+                "MIN_AMAX": formats.min_block_amax(self.fp8_dtype),
                 "FP8": self.fp8_name,
                 "W": cfg.world_size,
                 "WP": triton.next_power_of_2(cfg.world_size),
                 "enable_fp_fusion": False,
                 "num_warps": self.tuning.combine_send_warps,
             },
-            ("y_ptr",),
+            ("y_ptr", "y_rows"),
         )
 
     def combine_recv(self) -> torch.Tensor:
@@ -547,7 +591,7 @@ class TritonProvider:
         else:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         meta = self._combine_meta(tile)
-        tiles = triton.cdiv(cfg.hidden // cfg.combine_block, meta["TILE_BLOCKS"])
+        tiles = triton.cdiv(formats.num_blocks(cfg.hidden, self._combine_block), meta["TILE_BLOCKS"])
         launch = self._bind(
             transport.combine_recv_kernel,
             self._grid(tuning.combine_recv_programs_per_sm, num_tokens * tiles),
@@ -566,6 +610,7 @@ class TritonProvider:
                 "K": cfg.topk,
                 "W": cfg.world_size,
                 "WP": triton.next_power_of_2(cfg.world_size),
+                "CLOCK": self._clock,
                 "enable_fp_fusion": False,  # q * scale then + acc, rounded twice, as the torch reference does
                 "num_warps": warps,
             },
@@ -578,10 +623,6 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # The first CUDA whose graphs keep programmatic launch edges (the ops are captured in CUDA graphs).
 PROGRAMMATIC_LAUNCH_CUDA = (12, 3)
 
@@ -590,7 +631,7 @@ def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels may launch before the one they follow ends (programmatic dependent launch):
     NVIDIA GPUs from Hopper (sm_90) on, outside the interpreter, where both torch's CUDA and the
     driver (which makes the launches and the graphs) are 12.3 or later, unless TRTLLM_ENABLE_PDL=0."""
-    if device.type != "cuda" or torch.version.cuda is None or _interpreting():
+    if device.type != "cuda" or torch.version.cuda is None or interpreter.interpreting():
         return False
     if not env.get_bool("TRTLLM_ENABLE_PDL"):
         return False

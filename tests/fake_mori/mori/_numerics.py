@@ -79,7 +79,8 @@ def quantize_blockwise(y: torch.Tensor, fp8: torch.dtype, scale_dim: int) -> tup
     padded = torch.zeros(rows, block * scale_dim)
     padded[:, :hidden] = y.to(torch.bfloat16).float()
     blocks = padded.view(rows, scale_dim, block)
-    amax = blocks.abs().nan_to_num(nan=0.0).amax(dim=2)
+    magnitude = blocks.abs()
+    amax = torch.where(magnitude.isnan(), 0.0, magnitude).amax(dim=2)  # +Inf stays: it is a bit pattern
     limit = torch.tensor(fp8_max(fp8))
     scaled = amax > limit
     stored = torch.where(scaled, amax * (1.0 / limit), torch.ones_like(amax))

@@ -8,9 +8,9 @@ import torch.distributed as dist
 group: dist.ProcessGroup | None = None
 
 
-def shmem_torch_process_group_init(name: str) -> None:
+def shmem_torch_process_group_init(group_name: str) -> None:
     global group
-    group = torch._C._distributed_c10d._resolve_process_group(name)
+    group = torch._C._distributed_c10d._resolve_process_group(group_name)
 
 
 def shmem_finalize() -> None:

@@ -221,86 +221,9 @@ class EpDispatchCombineOp:
         n = self.cfg.scale_dim * self.cfg.scale_type_size
         return ((n + 3) // 4) * 4 if n else 0
 
-
-class EpDispatchCombineOpHip(EpDispatchCombineOp, backend="hip"):
-    def __init__(self, cfg: EpDispatchCombineConfig, comm) -> None:
-        self.cfg, self.comm = cfg, comm
-        self._closed = False
-        bad = self._unsupported(cfg)
-        if bad:
-            raise ValueError("hip backend cannot serve this config:\n  " + "\n  ".join(bad))
-        if comm.nranks != cfg.world_size or comm.rank != cfg.rank:
-            raise ValueError("config rank/world_size disagree with the communicator")
-        cap, k = cfg.effective_max_recv, cfg.num_experts_per_token
-        self._recv_cap = cap
-        self._arena = {
-            "disp_out": torch.zeros(cap * cfg.token_nbytes, dtype=torch.uint8),
-            "out_tok": torch.zeros(cap * cfg.combine_token_nbytes, dtype=torch.uint8),
-            "out_wts": torch.zeros(cap * k, dtype=torch.float32),
-            "out_idx": torch.zeros(cap * k, dtype=torch.int32),
-            "out_scales": torch.zeros(cap * self.scale_stride_bytes(), dtype=torch.uint8),
-            "combine_out": torch.zeros(cfg.max_num_inp_token_per_rank * cfg.combine_token_nbytes, dtype=torch.uint8),
-        }
-        self.total_recv = torch.zeros(1, dtype=torch.int32)
-        self.token_dest_map = torch.full((cfg.max_num_inp_token_per_rank * k,), -1, dtype=torch.int32)
-        self.routing_dest_map = torch.full_like(self.token_dest_map, cfg.world_size * cap)
-        self._sources: list[tuple[int, int]] = []
-        self.calls: list[str] = []
-        EpDispatchCombineOp.instances.append(self)
-        comm.barrier()
-
-    def _unsupported(self, cfg: EpDispatchCombineConfig) -> tuple[str, ...]:
-        if cfg.is_internode:
-            return ("the stand-in does not model the internode path",)
-        bad = []
-        if cfg.dispatch_dtype not in _DISPATCH_DTYPES:
-            bad.append(f"dispatch dtype {cfg.dispatch_dtype} (have bf16, fp32, fp8, fp4)")
-        if cfg.combine_dtype not in _COMBINE_DTYPES:
-            bad.append(f"combine dtype {cfg.combine_dtype} (have bf16, fp32)")
-        push = cfg.quant_type in _PUSH_QUANT_TYPES
-        if cfg.is_scatter and not push:
-            bad.append("combine_mode='scatter' (gather only, except the push quant types)")
-        if cfg.quant_type != "none" and not push:
-            bad.append(f"quant_type={cfg.quant_type!r}")
-        if push and not str(detect_gpu_arch()).startswith("gfx125"):
-            bad.append(f"quant_type={cfg.quant_type!r} (the push combine is gfx125x only)")
-        if cfg.enable_std_moe:
-            bad.append("enable_std_moe")
-        if (cfg.scale_dim * cfg.scale_type_size) % 4:
-            bad.append(f"per-token scale row of {cfg.scale_dim * cfg.scale_type_size} B is not whole dwords")
-        if cfg.effective_max_recv < cfg.world_size * cfg.max_num_inp_token_per_rank:
-            bad.append("max_total_recv_tokens below the worst case; token dropping is not implemented")
-        return tuple(bad)
-
-    def scale_stride_bytes(self) -> int:
-        row = self._scale_row_bytes()
-        return (row + _SCALE_ALIGN - 1) // _SCALE_ALIGN * _SCALE_ALIGN if row else 0
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the op was closed: its symmetric window is freed")
-
-    # -- views of the arena (the same objects every call) ----------------------------------------
-
-    def recv_tokens(self) -> torch.Tensor:
-        cols = self.cfg.hidden_dim // 2 if self.cfg.is_fp4 else self.cfg.hidden_dim
-        return self._arena["disp_out"].view(self.cfg.dispatch_dtype).view(self._recv_cap, cols)
-
-    def recv_weights(self) -> torch.Tensor:
-        return self._arena["out_wts"].view(self._recv_cap, self.cfg.num_experts_per_token)
-
-    def recv_indices(self) -> torch.Tensor:
-        return self._arena["out_idx"].view(self._recv_cap, self.cfg.num_experts_per_token)
-
-    def recv_scales(self) -> torch.Tensor | None:
-        n_i32 = self._scale_row_bytes() // 4
-        if not n_i32:
-            return None
-        rows = self._arena["out_scales"].view(torch.int32).view(self._recv_cap, self.scale_stride_bytes() // 4)
-        return rows[:, :n_i32]
-
-    def combine_in_view(self) -> torch.Tensor:
-        return self._arena["out_tok"].view(self.cfg.combine_dtype).view(self._recv_cap, self.cfg.hidden_dim)
 
     # -- the ops ----------------------------------------------------------------------------------
 
@@ -413,3 +336,80 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp, backend="hip"):
         out = self._arena["combine_out"].view(cfg.combine_dtype)[: ct * cfg.hidden_dim].view(ct, cfg.hidden_dim)
         out.copy_(acc)
         return out, None
+
+
+class EpDispatchCombineOpHip(EpDispatchCombineOp, backend="hip"):
+    def __init__(self, cfg: EpDispatchCombineConfig, comm) -> None:
+        self.cfg, self.comm = cfg, comm
+        self._closed = False
+        bad = self._unsupported(cfg)
+        if bad:
+            raise ValueError("hip backend cannot serve this config:\n  " + "\n  ".join(bad))
+        if comm.nranks != cfg.world_size or comm.rank != cfg.rank:
+            raise ValueError("config rank/world_size disagree with the communicator")
+        cap, k = cfg.effective_max_recv, cfg.num_experts_per_token
+        self._recv_cap = cap
+        self._arena = {
+            "disp_out": torch.zeros(cap * cfg.token_nbytes, dtype=torch.uint8),
+            "out_tok": torch.zeros(cap * cfg.combine_token_nbytes, dtype=torch.uint8),
+            "out_wts": torch.zeros(cap * k, dtype=torch.float32),
+            "out_idx": torch.zeros(cap * k, dtype=torch.int32),
+            "out_scales": torch.zeros(cap * self.scale_stride_bytes(), dtype=torch.uint8),
+            "combine_out": torch.zeros(cfg.max_num_inp_token_per_rank * cfg.combine_token_nbytes, dtype=torch.uint8),
+        }
+        self.total_recv = torch.zeros(1, dtype=torch.int32)
+        self.token_dest_map = torch.full((cfg.max_num_inp_token_per_rank * k,), -1, dtype=torch.int32)
+        self.routing_dest_map = torch.full_like(self.token_dest_map, cfg.world_size * cap)
+        self._sources: list[tuple[int, int]] = []
+        self.calls: list[str] = []
+        EpDispatchCombineOp.instances.append(self)
+        comm.barrier()
+
+    def _unsupported(self, cfg: EpDispatchCombineConfig) -> tuple[str, ...]:
+        if cfg.is_internode:
+            return ("the stand-in does not model the internode path",)
+        bad = []
+        if cfg.dispatch_dtype not in _DISPATCH_DTYPES:
+            bad.append(f"dispatch dtype {cfg.dispatch_dtype} (have bf16, fp32, fp8, fp4)")
+        if cfg.combine_dtype not in _COMBINE_DTYPES:
+            bad.append(f"combine dtype {cfg.combine_dtype} (have bf16, fp32)")
+        push = cfg.quant_type in _PUSH_QUANT_TYPES
+        if cfg.is_scatter and not push:
+            bad.append("combine_mode='scatter' (gather only, except the push quant types)")
+        if cfg.quant_type != "none" and not push:
+            bad.append(f"quant_type={cfg.quant_type!r}")
+        if push and not str(detect_gpu_arch()).startswith("gfx125"):
+            bad.append(f"quant_type={cfg.quant_type!r} (the push combine is gfx125x only)")
+        if cfg.enable_std_moe:
+            bad.append("enable_std_moe")
+        if (cfg.scale_dim * cfg.scale_type_size) % 4:
+            bad.append(f"per-token scale row of {cfg.scale_dim * cfg.scale_type_size} B is not whole dwords")
+        if cfg.effective_max_recv < cfg.world_size * cfg.max_num_inp_token_per_rank:
+            bad.append("max_total_recv_tokens below the worst case; token dropping is not implemented")
+        return tuple(bad)
+
+    def scale_stride_bytes(self) -> int:
+        row = self._scale_row_bytes()
+        return (row + _SCALE_ALIGN - 1) // _SCALE_ALIGN * _SCALE_ALIGN if row else 0
+
+    # -- views of the arena (the same objects every call) ----------------------------------------
+
+    def recv_tokens(self) -> torch.Tensor:
+        cols = self.cfg.hidden_dim // 2 if self.cfg.is_fp4 else self.cfg.hidden_dim
+        return self._arena["disp_out"].view(self.cfg.dispatch_dtype).view(self._recv_cap, cols)
+
+    def recv_weights(self) -> torch.Tensor:
+        return self._arena["out_wts"].view(self._recv_cap, self.cfg.num_experts_per_token)
+
+    def recv_indices(self) -> torch.Tensor:
+        return self._arena["out_idx"].view(self._recv_cap, self.cfg.num_experts_per_token)
+
+    def recv_scales(self) -> torch.Tensor | None:
+        n_i32 = self._scale_row_bytes() // 4
+        if not n_i32:
+            return None
+        rows = self._arena["out_scales"].view(torch.int32).view(self._recv_cap, self.scale_stride_bytes() // 4)
+        return rows[:, :n_i32]
+
+    def combine_in_view(self) -> torch.Tensor:
+        return self._arena["out_tok"].view(self.cfg.combine_dtype).view(self._recv_cap, self.cfg.hidden_dim)

@@ -1,0 +1,131 @@
+"""What every command shares: argument types, the format vocabulary, the device, and clean failures.
+
+Exit codes, the same for every command: 2 and argparse's one-line usage error for a bad argument
+(a value out of range, an unknown name, sizes that do not fit a wire format); 1 and one sentence
+naming the knob for a configuration this machine cannot run (no GPU for ``--device cuda``, Triton's
+interpreter not enabled, not started by torchrun, a bad ``SGLANG_MORI_*`` value). A traceback means a
+bug of ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
+
+import torch
+
+from mori_sglang.config import COMBINE_ENV_VALUES, DISPATCH_ENV_VALUES, CombineDtype, ConfigError, DispatchDtype
+from mori_sglang.env import EnvError
+from mori_sglang.formats import FormatError
+from mori_sglang.kernels.interpreter import InterpreterError
+
+T = TypeVar("T")
+DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+class SetupError(RuntimeError):
+    """This machine or environment cannot run what the arguments ask for; the message names the knob."""
+
+
+# Errors that are a user's configuration, not a bug: reported as one sentence with exit status 1.
+CONFIGURATION_ERRORS = (SetupError, ConfigError, EnvError, FormatError, InterpreterError)
+
+
+def at_least(minimum: float, kind: Callable[[str], float] = int) -> Callable[[str], float]:
+    """An argparse type that rejects values below ``minimum`` with a message naming the bound."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid <type> value" messages
+    return parse
+
+
+positive_int = at_least(1)
+non_negative_int = at_least(0)
+
+
+def port(text: str) -> int:
+    """An argparse type for a TCP port: 1 to 65535."""
+    number = at_least(1)(text)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1 to 65535)")
+    return int(number)
+
+
+def combine_dtype(text: str) -> CombineDtype:
+    """A combine format by its ``SGLANG_MORI_COMBINE_DTYPE`` name (bf16, fp8, fp8_direct_cast, fp4) or
+    its long name (fp8_blockwise, fp8_blockwise_native, fp4_blockwise)."""
+    name = text.strip().lower()
+    if name in COMBINE_ENV_VALUES:
+        return COMBINE_ENV_VALUES[name]
+    try:
+        return CombineDtype(name)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a combine format; use {combine_names()}") from None
+
+
+def dispatch_dtype(text: str) -> DispatchDtype:
+    """A dispatch format by its ``SGLANG_MORI_DISPATCH_DTYPE`` name (bf16, fp8, mxfp8, fp4)."""
+    name = text.strip().lower()
+    if name in DISPATCH_ENV_VALUES:
+        return DISPATCH_ENV_VALUES[name]
+    raise argparse.ArgumentTypeError(f"{text!r} is not a dispatch format; use {', '.join(DISPATCH_ENV_VALUES)}")
+
+
+def combine_names() -> str:
+    """The accepted combine names, env names first, for help and error messages."""
+    long_names = [d.value for d in CombineDtype if d.value not in COMBINE_ENV_VALUES]
+    return ", ".join([*COMBINE_ENV_VALUES, *long_names])
+
+
+def combine_name(dtype: CombineDtype) -> str:
+    """What a user writes for a combine format: its env name where it has one, else its long name."""
+    return next((name for name, value in COMBINE_ENV_VALUES.items() if value is dtype), dtype.value)
+
+
+def device_name(text: str) -> str:
+    """An argparse type for ``--device``: auto, cpu, cuda or cuda:N."""
+    if not DEVICE_NAMES.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use auto, cpu, cuda or cuda:N")
+    return text
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first GPU where torch sees one, else the CPU. A GPU torch does not see is a SetupError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SetupError(f"--device {name}: this torch sees no GPU; use --device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SetupError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def checked(parser: argparse.ArgumentParser, build: Callable[[], T]) -> T:
+    """``build()``, with a configuration the arguments describe but the formats refuse made a usage error."""
+    try:
+        return build()
+    except (ConfigError, FormatError) as e:
+        parser.error(str(e))
+
+
+def run(main: Callable[[Sequence[str] | None], int | None], prog: str, argv: Sequence[str] | None = None) -> NoReturn:
+    """Run a command's ``main`` and exit with its status; a configuration error is one line on stderr and 1."""
+    try:
+        status = main(argv)
+    except CONFIGURATION_ERRORS as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(status or 0)
