@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install stock SGLang 0.5.23 and mori-sglang into a virtual environment, enough to run the SGLang plugin
-# tests (tests/test_sglang_plugin.py) on a CPU-only machine.
+# tests (tests/integrations/sglang) on a CPU-only machine.
 #
 #   .ci/install-sglang.sh VENV
 #
@@ -9,7 +9,7 @@
 # packages that lets SGLang's MoE dispatcher modules, plugin loader, MoE factory and launch-time
 # argument resolution import, all with --no-deps, then mori-sglang itself (editable, --no-deps) so its
 # entry point in the group sglang.srt.plugins is registered. The tests call
-# mori_sglang.integrations.sglang.cpu_import before importing SGLang (torchvision stand-in, temporary
+# tests/integrations/sglang/cpu_import.py before importing SGLang (torchvision stand-in, temporary
 # SGLANG_CACHE_DIR); the final check here does the same.
 #
 # Idempotent: a stamp in the venv records this script's hash; a re-run with the same script and a venv
@@ -26,8 +26,8 @@ stamp="$venv/.mori-sglang-sglang-install"
 script_hash=$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)
 
 check() {
-    "$venv/bin/python" - <<'EOF'
-from mori_sglang.integrations.sglang.cpu_import import prepare_sglang_cpu_import
+    PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" - <<'EOF'
+from tests.integrations.sglang.cpu_import import prepare_sglang_cpu_import
 
 prepare_sglang_cpu_import()
 from importlib.metadata import entry_points

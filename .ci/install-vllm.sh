@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (or refresh) a virtual environment in which vLLM 0.33.0 imports on a CPU-only machine, for the
-# tests/test_vllm_*.py suites, with this checkout installed so vLLM finds its plugin entry point.
+# tests/integrations/vllm suites, with this checkout installed so vLLM finds its plugin entry point.
 #
 #   .ci/install-vllm.sh VENV_DIR
 #

@@ -18,6 +18,7 @@ SEED=1
 DRY_RUN=0
 EXTRA_ARGS=()
 EXPORTED=()
+RECIPE_FLAGS=()
 
 die() {
     printf 'error: %s\n' "$*" >&2
@@ -48,8 +49,10 @@ Options:
   --port PORT               (default: $PORT)
   --seed N                  server random seed (default: $SEED)
   --dry-run                 check the inputs, print the environment and the command, start nothing
+                            (works without GPUs: with no GPU tool on PATH the GPU check is skipped)
   -h, --help                this text
-  -- ARGS...                passed to the server unchanged
+  -- ARGS...                passed to the server unchanged, except flags the recipe sets itself
+Options take their value as --option VALUE or --option=VALUE.
 Environment: PYTHON (default python3) is the interpreter that runs the server.
 USAGE
 }
@@ -67,8 +70,16 @@ positive_int() {  # positive_int FLAG VALUE
     [[ $2 =~ ^[1-9][0-9]*$ ]] || usage_error "$1 '$2' is not a positive integer"
 }
 
+tcp_port() {  # tcp_port FLAG VALUE
+    [[ $2 =~ ^[1-9][0-9]*$ ]] && (($2 <= 65535)) || usage_error "$1 '$2' is not a TCP port (1 to 65535)"
+}
+
 parse_args() {
     while (($#)); do
+        if [[ $1 == --*=* && $1 != --=* ]]; then  # --option=VALUE is --option VALUE
+            set -- "${1%%=*}" "${1#*=}" "${@:2}"
+            [[ -n $2 ]] || usage_error "$1 needs a value"
+        fi
         case $1 in
             -h | --help)
                 usage
@@ -111,7 +122,7 @@ parse_args() {
     one_of --mode "$MODE" "${MODE_CHOICES[@]}"
     positive_int --gpus "$GPUS"
     positive_int --max-dispatch-tokens "$MAX_DISPATCH_TOKENS"
-    positive_int --port "$PORT"
+    tcp_port --port "$PORT"
     [[ $SEED =~ ^[0-9]+$ ]] || usage_error "--seed '$SEED' is not a non-negative integer"
 }
 
@@ -135,6 +146,9 @@ detect_gpus() {
     elif command -v rocm-smi >/dev/null 2>&1; then
         GPU_VENDOR=amd GPU_SOURCE="rocm-smi --showid --csv" pattern='^card[0-9]' visible_var=HIP_VISIBLE_DEVICES
         listing=$(rocm-smi --showid --csv 2>&1) || die "rocm-smi failed: $listing"
+    elif ((DRY_RUN)); then
+        GPU_VENDOR=unknown GPU_COUNT=0 GPU_SOURCE="no GPU tool on PATH"
+        return 0
     else
         die "no GPU tool found: none of nvidia-smi, amd-smi or rocm-smi is on PATH"
     fi
@@ -149,8 +163,9 @@ detect_gpus() {
     fi
 }
 
-check_gpus() {  # check_gpus VENDOR(any|nvidia|amd)
+check_gpus() {  # check_gpus VENDOR(any|nvidia|amd); a dry run without a GPU tool checks nothing
     detect_gpus
+    [[ $GPU_VENDOR != unknown ]] || return 0
     [[ $1 == any || $1 == "$GPU_VENDOR" ]] || die "this recipe is for $1 GPUs; found $GPU_VENDOR ($GPU_SOURCE)"
     ((GPU_COUNT >= GPUS)) || die "this recipe needs $GPUS GPUs; found $GPU_COUNT ($GPU_SOURCE)"
 }
@@ -183,13 +198,60 @@ prepare() {
     export_mori_env "$split"
 }
 
+# refuse_overrides COMMAND...: an argument after -- that names a flag the recipe sets (FLAG or
+# FLAG=VALUE, the server's aliases, prefixes) would silently replace the recipe's value; refuse it,
+# naming the recipe's value and the script option that sets it. RECIPE_FLAGS holds FLAG=OPTION pairs
+# ("FLAG=-" where the recipe fixes the value); FLAG or, for an alias, the first flag of its pair
+# group is the one in COMMAND.
+refuse_overrides() {
+    local i arg given name pair flag own set_as value
+    for ((i = 0; i < ${#EXTRA_ARGS[@]}; i++)); do
+        arg=${EXTRA_ARGS[i]} name=${EXTRA_ARGS[i]%%=*} given=${EXTRA_ARGS[i]}
+        if [[ $arg != *=* ]] && ((i + 1 < ${#EXTRA_ARGS[@]})); then
+            given+=" ${EXTRA_ARGS[i + 1]}"
+        fi
+        for pair in "${RECIPE_FLAGS[@]}"; do
+            flag=${pair%%=*} own=${pair#*=}
+            own=${own%%:*} set_as=${pair##*:}
+            # The servers' parsers also take an unambiguous prefix of a long option (--tp for --tp-size).
+            [[ $name == "$flag" || ($name == --* && ${#name} -ge 4 && $flag == "$name"*) ]] || continue
+            value=$(command_value "$set_as" "$@")
+            if [[ $own == - ]]; then
+                usage_sentence "'-- $given' contradicts the recipe, which runs $set_as $value; this recipe does not change it"
+            fi
+            usage_sentence "'-- $given' contradicts the recipe, which runs $set_as $value; set it with the script's $own option"
+        done
+    done
+}
+
+command_value() {  # command_value FLAG COMMAND...: the value that follows FLAG in COMMAND
+    local flag=$1
+    shift
+    while (($#)); do
+        if [[ $1 == "$flag" ]]; then
+            printf '%s' "${2-}"
+            return 0
+        fi
+        shift
+    done
+}
+
+usage_sentence() {  # usage_sentence MESSAGE: a usage error in one sentence, without the usage text
+    printf 'error: %s\n' "$*" >&2
+    exit 2
+}
+
 # launch FRAMEWORK_MODULE COMMAND...: print the recipe (dry run), or check that the interpreter has
 # the framework and mori_sglang, show the effective mori-sglang settings and exec the server.
 launch() {
     local module=$1 name line
     shift
+    refuse_overrides "$@"
     if ((DRY_RUN)); then
         printf '# %s\n' "$RECIPE"
+        if [[ $GPU_VENDOR == unknown ]]; then
+            printf '# GPUs not checked: none of nvidia-smi, amd-smi or rocm-smi is on PATH\n'
+        fi
         for name in "${EXPORTED[@]}"; do
             printf 'export %s=%q\n' "$name" "${!name}"
         done
@@ -206,6 +268,14 @@ launch() {
 }
 
 launch_sglang() {  # launch_sglang SERVER_ARGS...
+    RECIPE_FLAGS=(
+        --model-path=--model:--model-path --model=--model:--model-path
+        --tp-size=--gpus:--tp-size --tensor-parallel-size=--gpus:--tp-size
+        --ep-size=--gpus:--ep-size --expert-parallel-size=--gpus:--ep-size --ep=--gpus:--ep-size
+        --dp-size=--gpus:--dp-size --data-parallel-size=--gpus:--dp-size
+        --moe-a2a-backend=-:--moe-a2a-backend --deepep-mode=--mode:--deepep-mode
+        --random-seed=--seed:--random-seed --host=--host:--host --port=--port:--port
+    )
     launch sglang "$PYTHON" -m sglang.launch_server --model-path "$MODEL" --trust-remote-code \
         --tp-size "$GPUS" --ep-size "$GPUS" --dp-size "$GPUS" --enable-dp-attention \
         --moe-a2a-backend mori --deepep-mode "$MODE" "$@" \
@@ -213,6 +283,13 @@ launch_sglang() {  # launch_sglang SERVER_ARGS...
 }
 
 launch_vllm() {  # launch_vllm SERVER_ARGS...: vLLM's DP attention is TP 1 x DP N, EP over all of them
+    RECIPE_FLAGS=(
+        --model=--model:serve
+        --tensor-parallel-size=-:--tensor-parallel-size -tp=-:--tensor-parallel-size
+        --data-parallel-size=--gpus:--data-parallel-size -dp=--gpus:--data-parallel-size
+        --all2all-backend=--mode:--all2all-backend --max-num-batched-tokens=--max-dispatch-tokens:--max-num-batched-tokens
+        --seed=--seed:--seed --host=--host:--host --port=--port:--port
+    )
     launch vllm "$PYTHON" -m vllm.entrypoints.cli.main serve "$MODEL" --trust-remote-code \
         --tensor-parallel-size 1 --data-parallel-size "$GPUS" --enable-expert-parallel \
         --all2all-backend "mori_$MODE" --max-num-batched-tokens "$MAX_DISPATCH_TOKENS" "$@" \

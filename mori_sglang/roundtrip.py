@@ -35,7 +35,7 @@ from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Prov
 from mori_sglang.kernels.interpreter import interpret_on_cpu
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_available
-from mori_sglang.types import DispatchOutput
+from mori_sglang.tools.measure import identity_expert, sync
 
 # (dispatch, combine): the bf16 baseline, each dispatch format with bf16 combine, each combine format
 # with bf16 dispatch, so every row isolates one format's cost.
@@ -132,22 +132,6 @@ def make_batch(args: argparse.Namespace, device: torch.device) -> Batch:
     return Batch(xs, weights, ids, exact)
 
 
-def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int) -> torch.Tensor:
-    """What an expert that returns its input would produce: the dequantized received tokens, as bf16."""
-    n = out.num_recv_host()
-    scales = None
-    if dispatch is DispatchDtype.FP8:
-        scales = out.recv_scales(torch.float32)[:n]
-    elif dispatch is not DispatchDtype.BF16:
-        scales = out.recv_scales(torch.uint8)[:n]
-    return formats.dequantize_dispatch(out.tokens[:n], scales, dispatch, hidden).to(torch.bfloat16)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def configs(args: argparse.Namespace) -> list[EpConfig]:
     """One op config per row of FORMATS; a size no format accepts raises ConfigError or FormatError."""
     out = []
@@ -188,16 +172,16 @@ def run_format(
     dispatch_times, combine_times = [], []
     combined: list[torch.Tensor] = []
     for step in range(args.warmup + args.iters):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         outs = world.dispatch(batch.xs, batch.weights, None, batch.ids)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
-        ys = [identity_expert(out, dispatch, args.hidden) for out in outs]
-        _sync(device)
+        ys = [identity_expert(out, dispatch, args.hidden, out.num_recv_host()) for out in outs]
+        sync(device)
         t2 = time.perf_counter()
         combined = world.combine(ys, [out.handle for out in outs])
-        _sync(device)
+        sync(device)
         t3 = time.perf_counter()
         if step >= args.warmup:
             dispatch_times.append(t1 - t0)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine (CPU torch, Triton's interpreter, stock SGLang and vLLM) and
-# runs the whole test suite. Each plugin's tests run in a venv of its own, next to the real package.
+# runs the whole test suite. Suites are folders of tests/: each framework's integration tests run in a
+# venv of their own, next to the real package; everything else runs in .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -10,15 +11,15 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 triton==3.7.1
 .venv/bin/pip install -q -e '.[test]'
 .venv/bin/ruff check .
-# MoRI's wheel (MIT), read by tests/test_mori_api.py: it does not install here, it is only parsed.
+# MoRI's wheel (MIT), read by tests/providers/test_mori_api.py: it does not install here, it is only parsed.
 export MORI_WHEEL_DIR="${MORI_WHEEL_DIR:-$XDG_CACHE_HOME/mori-sglang/amd-mori}"
 .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.10 \
     --platform manylinux_2_35_x86_64 amd-mori==1.2.4 -d "$MORI_WHEEL_DIR" ||
-    echo "amd-mori 1.2.4 not downloaded: tests/test_mori_api.py will be skipped" >&2
-.venv/bin/python -m pytest -q tests --ignore-glob='tests/test_sglang_*' --ignore-glob='tests/test_vllm_*'
+    echo "amd-mori 1.2.4 not downloaded: tests/providers/test_mori_api.py will be skipped" >&2
+.venv/bin/python -m pytest -q tests --ignore=tests/integrations
 
 bash .ci/install-sglang.sh .venv-sglang
-.venv-sglang/bin/python -m pytest -q tests/test_sglang_*.py
+.venv-sglang/bin/python -m pytest -q tests/integrations/sglang
 
 bash .ci/install-vllm.sh .venv-vllm
-.venv-vllm/bin/python -m pytest -q tests/test_vllm_*.py
+.venv-vllm/bin/python -m pytest -q tests/integrations/vllm

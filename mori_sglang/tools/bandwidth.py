@@ -1,0 +1,111 @@
+"""Ceilings of the transport's access patterns: copy (the roofline the benches divide by), write-only
+fill, and the dispatch send's fan-out (read a token once, write a byte per element to D destinations),
+each as GB/s and % of the copy roofline.
+
+    python -m mori_sglang.tools.bandwidth --tokens 4096 --hidden 7168 --fan-out 1 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.testing
+
+from mori_sglang.cli import resolve_device
+from mori_sglang.kernels.probes import fan_out_kernel
+from mori_sglang.providers.triton_provider import INTERPRETER_PROGRAMS, multiprocessors
+from mori_sglang.tools.measure import copy_bandwidth, roofline_bytes, time_phases
+
+# (warps, programs per SM): the dispatch send's shape and two wider ones.
+FAN_OUT_SHAPES = ((1, 32), (2, 16), (4, 8))
+FAN_OUT_TILE = 1024
+
+
+@dataclass
+class Pattern:
+    name: str
+    us: float
+    gbs: float  # bytes read + written per second
+    pct_of_copy: float
+
+
+def fan_out(x: torch.Tensor, out: torch.Tensor, warps: int, programs: int) -> None:
+    """Launch the fan-out probe: x [tokens, hidden] 16-bit -> out [D, tokens, hidden] bytes."""
+    tokens, hidden = x.shape
+    tile = min(FAN_OUT_TILE, hidden)
+    if hidden % tile or tile & (tile - 1):
+        raise ValueError(f"--hidden {hidden}: the fan-out probe needs a multiple of a power-of-two tile ({tile})")
+    meta = {"D": out.shape[0], "HIDDEN": hidden, "TILE": tile, "num_warps": warps}
+    fan_out_kernel[(programs,)](x, out, out.stride(0), tokens, **meta)
+
+
+def measure(device: torch.device, tokens: int, hidden: int, fan_outs: list[int], iters: int) -> list[Pattern]:
+    copy_gbs = copy_bandwidth(device, iters=iters)
+    patterns = [Pattern("copy (roofline)", 0.0, copy_gbs, 100.0)]
+    fill = torch.empty(roofline_bytes(device), dtype=torch.uint8, device=device)
+    seconds = _seconds(lambda: fill.fill_(1), device, iters)
+    patterns.append(_pattern("fill (write only)", seconds, fill.numel(), copy_gbs))
+    x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16).view(torch.int16)
+    sms = multiprocessors(device)
+    for d in fan_outs:
+        out = torch.empty(d, tokens, hidden, dtype=torch.uint8, device=device)
+        for warps, per_sm in FAN_OUT_SHAPES if sms else FAN_OUT_SHAPES[:1]:
+            programs = per_sm * sms if sms else INTERPRETER_PROGRAMS
+            launch = functools.partial(fan_out, x, out, warps, programs)
+            launch()  # compile outside the timing
+            seconds = _seconds(launch, device, iters)
+            name = f"fan-out to {d} ({warps} warps, {per_sm} programs/SM)"
+            patterns.append(_pattern(name, seconds, x.numel() * 2 + out.numel(), copy_gbs))
+    return patterns
+
+
+def _seconds(launch: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median seconds of one launch. On a GPU from Triton's benchmarker (device events around the kernels
+    alone, caches flushed between runs): these kernels last less than a host launch takes."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(launch, rep=max(25, iters), return_mode="median") * 1e-3
+    return statistics.median(time_phases([launch], device, iters)[0])
+
+
+def _pattern(name: str, seconds: float, nbytes: int, copy_gbs: float) -> Pattern:
+    gbs = nbytes / seconds / 1e9
+    return Pattern(name, seconds * 1e6, gbs, 100 * gbs / copy_gbs)
+
+
+def markdown(patterns: list[Pattern]) -> str:
+    lines = ["| pattern | µs | GB/s | % of copy |", "| --- | ---: | ---: | ---: |"]
+    for p in patterns:
+        us = f"{p.us:.1f}" if p.us else "-"
+        lines.append(f"| {p.name} | {us} | {p.gbs:.0f} | {p.pct_of_copy:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Pattern]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--fan-out", type=int, nargs="+", default=[1, 4, 8], help="destinations (powers of two)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    bad = [d for d in args.fan_out if d < 1 or d & (d - 1)]
+    if bad:
+        parser.error(f"--fan-out {bad}: destinations must be powers of two")
+    patterns = measure(resolve_device(args.device), args.tokens, args.hidden, args.fan_out, args.iters)
+    print(markdown(patterns))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(p) for p in patterns], f, indent=1)
+    return patterns
+
+
+if __name__ == "__main__":
+    main()

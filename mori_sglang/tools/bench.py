@@ -1,0 +1,333 @@
+"""Benchmark of dispatch and combine in a loopback world: time, algorithm GB/s, % of the copy roofline.
+
+    python -m mori_sglang.tools.bench --world 8 --tokens 128 4096 --hidden 7168 --topk 8 --experts 256 \
+        --dispatch-dtype fp8 --combine-dtype bf16 fp8_blockwise fp8_direct_cast --mode low_latency
+
+Every rank's buffers sit on one device, so the numbers measure the kernels' memory traffic against
+the device's own copy bandwidth (measured in the same run), and the torch provider runs the same
+steps beside them as the baseline. Bandwidth follows MoRI's accounting: received rows x row bytes.
+On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test).
+
+``--eager`` also launches every phase from Python, as a server without CUDA graphs does, and reports per
+rank and phase the host time of the calls, the device time of what they queued and the launches they
+made (``EagerRow``), next to the graph numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from mori_sglang import formats
+from mori_sglang.cli import resolve_device
+from mori_sglang.config import EpConfig, Provider
+from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.routing import owning_destinations
+from mori_sglang.tools.measure import (
+    PHASES,
+    copy_bandwidth,
+    count_launches,
+    identity_expert,
+    time_eager,
+    time_phases,
+)
+from mori_sglang.tools.workload import add_workload_args, speedup_cells, workload_configs
+
+if TYPE_CHECKING:
+    from mori_sglang.providers.triton_provider import KernelTuning
+
+
+@dataclass
+class Row:
+    provider: str
+    mode: str
+    tokens: int
+    max_tokens_per_rank: int  # the buffers' capacity; decode batches run far below it in serving
+    dispatch_dtype: str
+    combine_dtype: str
+    dispatch_us: float
+    combine_us: float
+    dispatch_send_us: float
+    dispatch_recv_us: float
+    combine_send_us: float
+    combine_recv_us: float
+    dispatch_gbs: float
+    combine_gbs: float
+    # Bytes each phase must read and write at least once, per second, as % of the copy bandwidth.
+    dispatch_send_pct: float
+    dispatch_recv_pct: float
+    combine_send_pct: float
+    combine_recv_pct: float
+    round_trip_pct: float
+    eager: EagerRow | None = None  # with --eager
+
+
+@dataclass
+class EagerRow:
+    """One step launched from Python, per rank (the loopback world's phase over its ranks), median of the
+    iterations. ``host_us``: the calls' own time, with the device kept busy so that nothing waits for it;
+    ``device_us``: from the first to the last device operation the calls queued (None on CPU);
+    ``launches``: device operations (kernels, copies, fills) per call, from the profiler (None on CPU);
+    ``d2h_copies``: device-to-host copies per step; ``graph_us``: the same phases replayed from a graph."""
+
+    host_us: list[float]
+    device_us: list[float] | None
+    launches: list[float] | None
+    d2h_copies: float | None
+    graph_us: list[float] | None
+    device_kept_busy: bool  # every host measurement ended before the device reached the calls' work
+
+
+def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    xs, weights, ids = [], [], []
+    for _ in range(cfg.world_size):
+        xs.append(torch.randn(tokens, cfg.hidden, generator=gen).to(torch.bfloat16).to(device))
+        ids.append(torch.rand(tokens, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.int().to(device))
+        weights.append(torch.rand(tokens, cfg.topk, generator=gen).to(device))
+    return xs, weights, ids
+
+
+def bench_one(
+    cfg: EpConfig,
+    tokens: int,
+    device: torch.device,
+    iters: int,
+    graph: bool,
+    copy_gbs: float,
+    tuning: KernelTuning | None = None,
+    eager: bool = False,
+) -> tuple[Row, int]:
+    """``tuning``: the Triton provider's kernel tuning to measure (default: its defaults); ``eager``: also
+    time the phases launched from Python (``Row.eager``)."""
+    world = LoopbackWorld(cfg, device)
+    if tuning is not None:
+        for op in world.ops:
+            op.provider.tuning = tuning
+    xs, weights, ids = make_inputs(cfg, tokens, device, seed=1)
+    ops = world.ops
+    outs: list = [None] * cfg.world_size
+    results: list = [None] * cfg.world_size
+
+    def dispatch_send() -> None:
+        for op, x, w, i in zip(ops, xs, weights, ids, strict=True):
+            op.dispatch_send(x, w, None, i)
+
+    def dispatch_recv() -> None:
+        for r, op in enumerate(ops):
+            outs[r] = op.dispatch_recv()
+
+    # The expert side returns the received tokens (dequantized) as its outputs.
+    dispatch_send()
+    dispatch_recv()
+    ys = [identity_expert(o, cfg.dispatch_dtype, cfg.hidden) for o in outs]
+
+    def combine_send() -> None:
+        for op, y, o in zip(ops, ys, outs, strict=True):
+            op.combine_send(y, o.handle)
+
+    def combine_recv() -> None:
+        for r, op in enumerate(ops):
+            results[r] = op.combine_recv()
+
+    eager_phases = [dispatch_send, dispatch_recv, combine_send, combine_recv]
+    for phase in eager_phases[2:]:
+        phase()
+    graphed = graph and device.type == "cuda"
+    phases = [_capture(p, device) for p in eager_phases] if graphed else eager_phases
+    for phase in phases:  # warm-up
+        phase()
+    times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
+    recv_rows = sum(int(o.num_recv.item()) for o in outs)
+    pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in ids)
+    assert recv_rows == pairs, (recv_rows, pairs)
+    row = _row(cfg, tokens, times, recv_rows, world.ops[0], copy_gbs)
+    if eager:
+        row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
+        assert sum(int(o.num_recv.item()) for o in outs) == pairs
+    return row, recv_rows
+
+
+def _eager_row(
+    phases: list[Callable[[], None]], device: torch.device, iters: int, world: int, graph_us: list[float] | None
+) -> EagerRow:
+    """Eager timings and launch counts of the four phases, per rank."""
+    for phase in phases:  # warm-up, also of whatever the calls cache
+        phase()
+    host, dev, busy = time_eager(phases, device, iters)
+    counts = [count_launches(p, device) for p in phases]
+    return EagerRow(
+        host_us=[statistics.median(t) * 1e6 / world for t in host],
+        device_us=[statistics.median(t) * 1e6 / world for t in dev] if dev is not None else None,
+        launches=[c[0] / world for c in counts] if counts[0] is not None else None,
+        d2h_copies=sum(c[1] for c in counts) / world if counts[0] is not None else None,
+        graph_us=[t / world for t in graph_us] if graph_us is not None else None,
+        device_kept_busy=busy,
+    )
+
+
+def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw: float) -> Row:
+    ds, dr, cs, cr = times
+    dispatch_bytes = recv_rows * (op.layout.token_bytes + op.layout.scale_bytes)
+    combine_row = formats.combine_row_bytes(cfg.combine_dtype, cfg.hidden, cfg.combine_block)
+    combine_bytes = recv_rows * combine_row
+    sent_tokens = cfg.world_size * tokens
+    # The least traffic of each phase (the triton provider's model): the dispatch send reads every bf16
+    # token once and writes one packed row per destination; the receive copies the rows out compact;
+    # the combine send reads each expert output and writes its wire row; the combine receive reads the
+    # wire rows and writes one bf16 row per token.
+    row_bytes = op.layout.row_bytes
+    bf16_row = 2 * cfg.hidden
+    traffic = [
+        sent_tokens * bf16_row + recv_rows * row_bytes,
+        2 * recv_rows * row_bytes,
+        recv_rows * (bf16_row + combine_row),
+        recv_rows * combine_row + sent_tokens * bf16_row,
+    ]
+    pct = [100 * t / (us * 1e-6) / 1e9 / bw for t, us in zip(traffic, times, strict=True)]
+    return Row(
+        provider=op.provider_kind.value,
+        mode=cfg.mode.value,
+        tokens=tokens,
+        max_tokens_per_rank=cfg.max_tokens_per_rank,
+        dispatch_dtype=cfg.dispatch_dtype.value,
+        combine_dtype=cfg.combine_dtype.value,
+        dispatch_us=ds + dr,
+        combine_us=cs + cr,
+        dispatch_send_us=ds,
+        dispatch_recv_us=dr,
+        combine_send_us=cs,
+        combine_recv_us=cr,
+        dispatch_gbs=dispatch_bytes / ((ds + dr) * 1e-6) / 1e9,
+        combine_gbs=combine_bytes / ((cs + cr) * 1e-6) / 1e9,
+        dispatch_send_pct=pct[0],
+        dispatch_recv_pct=pct[1],
+        combine_send_pct=pct[2],
+        combine_recv_pct=pct[3],
+        round_trip_pct=100 * sum(traffic) / (sum(times) * 1e-6) / 1e9 / bw,
+    )
+
+
+def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str:
+    lines = [
+        f"copy roofline (read+write): {copy_bw:.0f} GB/s",
+        "",
+        "| provider | mode | tokens/rank | dispatch | combine | dispatch µs | combine µs | dispatch GB/s | "
+        "combine GB/s | % roof: dispatch send | dispatch recv | combine send | combine recv | round trip | "
+        "dispatch x torch | combine x torch |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        ratio_d, ratio_c = speedup_cells(r, baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype)))
+        lines.append(
+            f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
+            f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.0f} | {r.combine_gbs:.0f} | "
+            f"{r.dispatch_send_pct:.0f} | {r.dispatch_recv_pct:.0f} | {r.combine_send_pct:.0f} | "
+            f"{r.combine_recv_pct:.0f} | {r.round_trip_pct:.0f} | "
+            f"{ratio_d} | {ratio_c} |"
+        )
+    return "\n".join(lines)
+
+
+def eager_markdown(rows: list[Row]) -> str:
+    """The eager table: per rank, host µs, device µs and launches per call, by phase, and the graph's µs."""
+
+    def cells(values: list[float] | None, fmt: str) -> str:
+        if values is None:
+            return " | ".join("-" for _ in range(len(PHASES) + 1))
+        return " | ".join(format(v, fmt) for v in [*values, sum(values)])
+
+    short = "ds | dr | cs | cr | sum"
+    lines = [
+        "eager steps, per rank (ds/dr/cs/cr: dispatch send/recv, combine send/recv; median of the iterations)",
+        "",
+        f"| provider | mode | tokens/rank | dispatch | combine | host µs: {short} | device µs: {short} | "
+        f"graph µs: {short} | launches: {short} | D2H copies | device kept busy |",
+        "| --- | --- | ---: | --- | --- |" + " ---: |" * 21 + " --- |",
+    ]
+    for r in rows:
+        e = r.eager
+        if e is None:
+            continue
+        d2h = "-" if e.d2h_copies is None else f"{e.d2h_copies:g}"
+        lines.append(
+            f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
+            f"{cells(e.host_us, '.1f')} | {cells(e.device_us, '.1f')} | {cells(e.graph_us, '.1f')} | "
+            f"{cells(e.launches, 'g')} | {d2h} | {'yes' if e.device_kept_busy else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.provider}\n{r.mode}\n{r.tokens}\n{r.combine_dtype}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.dispatch_gbs for r in rows], width=0.4, label="dispatch")
+    ax.bar([x + 0.2 for x in xs], [r.combine_gbs for r in rows], width=0.4, label="combine")
+    ax.set_xticks(list(xs), labels, fontsize=6)
+    ax.set_ylabel("algorithm GB/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--provider", default="triton", choices=["triton", "torch"])
+    parser.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
+    parser.add_argument(
+        "--eager", action="store_true", help="also report host µs, device µs and launches of eager steps per rank"
+    )
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--plot", help="write a bar chart (PNG) here")
+    args = parser.parse_args(argv)
+
+    device = resolve_device(args.device)
+    bw = copy_bandwidth(device)
+    rows: list[Row] = []
+    baseline: dict[tuple, Row] = {}
+    for cfg, tokens in workload_configs(args, args.world, 0, Provider(args.provider)):
+        row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw, eager=args.eager)
+        rows.append(row)
+        if not args.no_baseline and args.provider != "torch":
+            base_cfg = replace(cfg, provider=Provider.TORCH)
+            base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw, eager=args.eager)
+            baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
+            rows.append(base)
+    if args.max_tokens_per_rank:
+        print(f"buffers sized for {args.max_tokens_per_rank} tokens per rank")
+    print(markdown(rows, baseline, bw))
+    if args.eager:
+        print()
+        print(eager_markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbs": bw, "device": str(device), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

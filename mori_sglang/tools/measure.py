@@ -1,0 +1,157 @@
+"""What every benchmark command measures with: synchronisation, phase timing, the copy roofline the
+benchmarks divide by, and the identity expert whose output a combine carries back. (The device a
+command runs on is chosen by ``mori_sglang.cli.resolve_device``.)"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from mori_sglang import formats
+from mori_sglang.config import DispatchDtype
+from mori_sglang.types import DispatchOutput
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that host clocks around it time the work itself."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Time of a region on a device: CUDA events on a GPU (the device's time), the host clock on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self._end.record()
+            self._end.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
+def time_phases(phases: list[Callable[[], object]], device: torch.device, iters: int) -> list[list[float]]:
+    """Seconds of each phase per iteration (phases run in order every iteration)."""
+    out: list[list[float]] = [[] for _ in phases]
+    for _ in range(iters):
+        for i, phase in enumerate(phases):
+            with Stopwatch(device) as watch:
+                phase()
+            out[i].append(watch.seconds)
+    return out
+
+
+# The four calls of a step, in order (the benchmarks time each as a phase over every rank).
+PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+def time_eager(
+    phases: list[Callable[[], object]], device: torch.device, iters: int
+) -> tuple[list[list[float]], list[list[float]] | None, bool]:
+    """Host seconds of each phase's calls and, on a GPU, device seconds of the work they queued, per
+    iteration. On a GPU a sleep kernel runs ahead of each phase, longer than its calls take, so the host
+    time holds no wait for the device (a synchronisation in a call would show as the whole sleep) and the
+    device time no gap for the host. The third value: whether the sleep outlasted the calls every time."""
+    host: list[list[float]] = [[] for _ in phases]
+    if device.type != "cuda":
+        for _ in range(iters):
+            for i, phase in enumerate(phases):
+                t0 = time.perf_counter()
+                phase()
+                host[i].append(time.perf_counter() - t0)
+        return host, None, True
+    dev: list[list[float]] = [[] for _ in phases]
+    cycles_per_s = _sleep_rate(device)
+    sleeps = []
+    for phase in phases:  # each phase's sleep: three times its calls' time, with at most 30 ms
+        t0 = time.perf_counter()
+        phase()
+        sleeps.append(int(cycles_per_s * min(3 * (time.perf_counter() - t0) + 1e-3, 30e-3)))
+        sync(device)
+    busy = True
+    for _ in range(iters):
+        for i, phase in enumerate(phases):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(sleeps[i])
+            start.record()
+            t0 = time.perf_counter()
+            phase()
+            t1 = time.perf_counter()
+            end.record()
+            busy = busy and not start.query()
+            end.synchronize()
+            host[i].append(t1 - t0)
+            dev[i].append(start.elapsed_time(end) / 1e3)
+    return host, dev, busy
+
+
+def _sleep_rate(device: torch.device) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` on this device."""
+    cycles = 10_000_000
+    sync(device)
+    with Stopwatch(device) as watch:
+        torch.cuda._sleep(cycles)
+    return cycles / watch.seconds
+
+
+def count_launches(phase: Callable[[], object], device: torch.device) -> tuple[int, int] | None:
+    """(device operations, of which device-to-host copies) one run of ``phase`` queues, from torch's
+    profiler; None on CPU, where nothing launches."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        phase()
+        sync(device)
+    ops = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(ops), sum("DtoH" in name for name in ops)
+
+
+def roofline_bytes(device: torch.device) -> int:
+    """Buffer size of a bandwidth measurement: 1 GiB on a GPU (far past its caches), 64 MiB on CPU."""
+    return (1 << 30) if device.type == "cuda" else (1 << 26)
+
+
+def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
+    """Device-to-device copy GB/s over ``roofline_bytes``, counting bytes read plus bytes written."""
+    nbytes = roofline_bytes(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = time_phases([lambda: dst.copy_(src)], device, iters)[0]
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, rows: int | None = None) -> torch.Tensor:
+    """What an expert that returns its input would produce: the dequantized received tokens, as bf16.
+
+    ``rows``: dequantize only the first rows (the received count); by default the whole receive buffer,
+    which needs no host sync and so can precede a CUDA graph capture.
+    """
+    tokens = out.tokens if rows is None else out.tokens[:rows]
+    scales = None
+    if dispatch is DispatchDtype.FP8:
+        scales = out.recv_scales(torch.float32)
+    elif dispatch is not DispatchDtype.BF16:
+        scales = out.recv_scales(torch.uint8)
+    if scales is not None and rows is not None:
+        scales = scales[:rows]
+    return formats.dequantize_dispatch(tokens, scales, dispatch, hidden).to(torch.bfloat16)

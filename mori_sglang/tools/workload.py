@@ -1,0 +1,76 @@
+"""The sweep the benchmark commands share: their workload flags, the op configs those flags describe,
+and the comparison cells against the torch baseline."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import Protocol
+
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+
+
+class PhaseTimes(Protocol):
+    """A benchmark row: dispatch and combine times in µs."""
+
+    dispatch_us: float
+    combine_us: float
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags the benchmarks share (sizes, dtypes, modes, iterations)."""
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument(
+        "--max-tokens-per-rank",
+        type=int,
+        help="buffer capacity per rank (default: each batch's own size); a server sizes its buffers for the "
+        "largest batch and runs decode batches far below it",
+    )
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--dispatch-dtype", default="fp8", choices=[d.value for d in DispatchDtype])
+    parser.add_argument(
+        "--combine-dtype",
+        nargs="+",
+        default=["bf16", "fp8_blockwise", "fp8_direct_cast"],
+        choices=[c.value for c in CombineDtype],
+    )
+    parser.add_argument("--mode", nargs="+", default=["intranode", "low_latency"], choices=[m.value for m in Mode])
+    parser.add_argument("--no-baseline", action="store_true", help="skip the torch provider baseline")
+    parser.add_argument("--iters", type=int, default=20)
+
+
+def workload_configs(
+    args: argparse.Namespace, world_size: int, rank: int, provider: Provider
+) -> Iterator[tuple[EpConfig, int]]:
+    """Every (mode, tokens per rank, combine dtype) point of the sweep the workload flags describe, as
+    the op's config and the batch size per rank."""
+    capacity = args.max_tokens_per_rank
+    if capacity is not None and capacity < max(args.tokens):
+        raise SystemExit(f"--max-tokens-per-rank {capacity} is below the largest --tokens value {max(args.tokens)}")
+    for mode in args.mode:
+        for tokens in args.tokens:
+            for combine in args.combine_dtype:
+                yield (
+                    EpConfig(
+                        world_size=world_size,
+                        rank=rank,
+                        hidden=args.hidden,
+                        num_experts=args.experts,
+                        topk=args.topk,
+                        max_tokens_per_rank=capacity or tokens,
+                        dispatch_dtype=args.dispatch_dtype,
+                        combine_dtype=combine,
+                        mode=mode,
+                        provider=provider,
+                    ),
+                    tokens,
+                )
+
+
+def speedup_cells(row: PhaseTimes, base: PhaseTimes | None) -> tuple[str, str]:
+    """Dispatch and combine time of the torch baseline over the row's, as table cells ("-" without one)."""
+    if base is None:
+        return "-", "-"
+    return f"{base.dispatch_us / row.dispatch_us:.1f}", f"{base.combine_us / row.combine_us:.1f}"

@@ -1,0 +1,379 @@
+"""The launch recipes, run for real with --dry-run: argument checks, GPU counting and the printed recipe.
+
+GPU tools are stand-in scripts on PATH that list a chosen number of GPUs, so the counting and the
+error messages are exercised exactly as on a GPU host.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+LAUNCH = Path(__file__).resolve().parents[2] / "launch"
+SYSTEM_PATH = "/usr/bin:/bin"
+SGLANG = ("sglang_deepseek_r1_mxfp4.sh", "sglang_h200_moe.sh")
+VLLM = ("vllm_deepseek_r1_mxfp4.sh", "vllm_h200_moe.sh")
+SCRIPTS = SGLANG + VLLM
+COMBINE = ("bf16", "fp8", "fp8_direct_cast")
+MORI_ENV = (
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "SGLANG_MORI_COMBINE_DTYPE",
+    "SGLANG_MORI_DISPATCH_DTYPE",
+    "SGLANG_MORI_SPLIT_DISPATCH_COMBINE",
+    "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
+    "SGLANG_MORI_BACKEND",
+)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "DeepSeek-R1-MXFP4"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def fake_gpu_tool(tmp_path: Path, tool: str, count: int) -> Path:
+    """A bin directory whose ``tool`` lists ``count`` GPUs in that tool's own output format."""
+    lines = {
+        "nvidia-smi": [f"GPU {i}: NVIDIA H200 (UUID: GPU-{i:08x})" for i in range(count)],
+        "amd-smi": [f"GPU: {i}\n    BDF: 0000:{i:02x}:00.0" for i in range(count)],
+        "rocm-smi": ["device,Device ID", *(f"card{i},0x74a1" for i in range(count))],
+    }[tool]
+    bin_dir = tmp_path / f"bin-{tool}-{count}"
+    bin_dir.mkdir()
+    script = bin_dir / tool
+    script.write_text("#!/bin/sh\ncat <<'OUT'\n" + "\n".join(lines) + "\nOUT\n")
+    script.chmod(0o755)
+    return bin_dir
+
+
+def run(script: str, *args: str, bin_dir: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_MORI_", "CUDA_VISIBLE", "HIP_VISIBLE"))}
+    base["PATH"] = f"{bin_dir}:{SYSTEM_PATH}" if bin_dir else SYSTEM_PATH
+    return subprocess.run(
+        ["bash", str(LAUNCH / script), *args], env={**base, **env}, capture_output=True, text=True, timeout=30
+    )
+
+
+def parse_dry_run(stdout: str) -> tuple[dict[str, str], list[str]]:
+    """The exported variables and the command of a dry run."""
+    lines = stdout.strip().splitlines()
+    exports = dict(shlex.split(line)[1].split("=", 1) for line in lines if line.startswith("export "))
+    return exports, shlex.split(lines[-1])
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_dry_run_prints_the_recipe(rng: random.Random, script: str, model: Path, tmp_path: Path) -> None:
+    dtype, port, server_seed = rng.choice(COMBINE), rng.randrange(20000, 40000), rng.randrange(100)
+    extra = ["--max-running-requests", str(rng.randrange(1, 512)), "two words"]
+    result = run(
+        script,
+        "--model",
+        str(model),
+        "--combine-dtype",
+        dtype,
+        "--port",
+        str(port),
+        "--seed",
+        str(server_seed),
+        "--dry-run",
+        "--",
+        *extra,
+        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+    )
+    assert result.returncode == 0, result.stderr
+    exports, command = parse_dry_run(result.stdout)
+    assert tuple(exports) == MORI_ENV
+    assert exports["NCCL_NVLS_ENABLE"] == "0" and exports["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert exports["SGLANG_MORI_COMBINE_DTYPE"] == dtype
+    assert exports["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] == ("1" if "deepseek" in script else "0")
+    assert exports["SGLANG_MORI_BACKEND"] == ("auto" if "deepseek" in script else "triton")
+    assert command[-3:] == extra
+    assert flag(command, "--port") == str(port)
+    if script in SGLANG:
+        assert command[:3] == ["python3", "-m", "sglang.launch_server"]
+        assert flag(command, "--model-path") == str(model)
+        assert flag(command, "--moe-a2a-backend") == "mori"
+        assert [flag(command, f"--{p}-size") for p in ("tp", "ep", "dp")] == ["8", "8", "8"]
+        assert "--enable-dp-attention" in command
+        assert flag(command, "--random-seed") == str(server_seed)
+        assert flag(command, "--deepep-mode") == ("low_latency" if "deepseek" in script else "auto")
+    else:
+        assert command[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
+        assert flag(command, "--data-parallel-size") == "8" and flag(command, "--tensor-parallel-size") == "1"
+        assert "--enable-expert-parallel" in command
+        assert flag(command, "--seed") == str(server_seed)
+        mode = "mori_low_latency" if "deepseek" in script else "mori_high_throughput"
+        assert flag(command, "--all2all-backend") == mode
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_combine_dtype_defaults_to_the_environment(
+    rng: random.Random, script: str, model: Path, tmp_path: Path
+) -> None:
+    dtype = rng.choice(COMBINE)
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    result = run(script, "--model", str(model), "--dry-run", bin_dir=bin_dir, SGLANG_MORI_COMBINE_DTYPE=dtype)
+    assert result.returncode == 0, result.stderr
+    assert parse_dry_run(result.stdout)[0]["SGLANG_MORI_COMBINE_DTYPE"] == dtype
+    result = run(script, "--model", str(model), "--dry-run", bin_dir=bin_dir)
+    assert parse_dry_run(result.stdout)[0]["SGLANG_MORI_COMBINE_DTYPE"] == "bf16"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_lists_every_option(script: str) -> None:
+    result = run(script, "--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("Usage: ")
+    for option in ("--model", "--combine-dtype", "--gpus", "--port", "--dry-run", "bf16 fp8 fp8_direct_cast"):
+        assert option in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "error: --model is required"),
+        (("--model",), "error: --model needs a value"),
+        (
+            ("--model", "M", "--combine-dtype", "fp16"),
+            "--combine-dtype 'fp16' is not accepted; use one of: bf16 fp8 fp8_direct_cast",
+        ),
+        (("--model", "M", "--gpus", "0"), "--gpus '0' is not a positive integer"),
+        (("--model", "M", "--mode", "fast"), "--mode 'fast' is not accepted"),
+        (
+            ("--model", "M", "--provider", "nccl"),
+            "--provider 'nccl' is not accepted; use one of: auto mori triton torch",
+        ),
+        (("--model", "M", "--bogus"), "unknown argument '--bogus'"),
+        (("--model", "M", "--port", "99999"), "--port '99999' is not a TCP port (1 to 65535)"),
+        (("--model", "M", "--port=0"), "--port '0' is not a TCP port (1 to 65535)"),
+        (("--model=",), "--model needs a value"),
+    ],
+)
+def test_usage_errors(rng: random.Random, args: tuple[str, ...], message: str) -> None:
+    result = run(rng.choice(SCRIPTS), *args, "--dry-run")
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Usage: " in result.stderr and result.stdout == ""
+
+
+def test_model_path_checks(rng: random.Random, tmp_path: Path) -> None:
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    script = rng.choice(SCRIPTS)
+    missing = tmp_path / "no-such-model"
+    result = run(script, "--model", str(missing), "--dry-run", bin_dir=bin_dir)
+    assert result.returncode == 1
+    assert f"error: model path '{missing}' does not exist" in result.stderr
+    a_file = tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"")
+    result = run(script, "--model", str(a_file), "--dry-run", bin_dir=bin_dir)
+    assert f"model path '{a_file}' is not a directory" in result.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run(script, "--model", str(empty), "--dry-run", bin_dir=bin_dir)
+    assert result.returncode == 1
+    assert f"model path '{empty}' has no config.json" in result.stderr
+
+
+@pytest.mark.parametrize("tool", ["nvidia-smi", "amd-smi", "rocm-smi"])
+def test_too_few_gpus(rng: random.Random, tool: str, model: Path, tmp_path: Path) -> None:
+    count = rng.randrange(0, 8)
+    result = run(
+        "sglang_deepseek_r1_mxfp4.sh", "--model", str(model), "--dry-run", bin_dir=fake_gpu_tool(tmp_path, tool, count)
+    )
+    assert result.returncode == 1
+    assert f"error: this recipe needs 8 GPUs; found {count} ({tool}" in result.stderr
+
+
+@pytest.mark.parametrize("tool", ["amd-smi", "rocm-smi"])
+def test_deepseek_recipe_on_rocm_enables_aiter(tool: str, model: Path, tmp_path: Path) -> None:
+    bin_dir = fake_gpu_tool(tmp_path, tool, 8)
+    for script, knob in (
+        ("sglang_deepseek_r1_mxfp4.sh", "SGLANG_USE_AITER"),
+        ("vllm_deepseek_r1_mxfp4.sh", "VLLM_ROCM_USE_AITER"),
+    ):
+        result = run(script, "--model", str(model), "--dry-run", bin_dir=bin_dir)
+        assert result.returncode == 0, result.stderr
+        assert parse_dry_run(result.stdout)[0][knob] == "1"
+    result = run(
+        "sglang_deepseek_r1_mxfp4.sh",
+        "--model",
+        str(model),
+        "--dry-run",
+        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+    )
+    assert "SGLANG_USE_AITER" not in parse_dry_run(result.stdout)[0]
+
+
+def test_visible_devices_narrow_the_count(rng: random.Random, model: Path, tmp_path: Path) -> None:
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    gpus = rng.randrange(2, 8)
+    visible = ",".join(map(str, rng.sample(range(8), gpus - 1)))
+    result = run(
+        "sglang_h200_moe.sh",
+        "--model",
+        str(model),
+        "--gpus",
+        str(gpus),
+        "--dry-run",
+        bin_dir=bin_dir,
+        CUDA_VISIBLE_DEVICES=visible,
+    )
+    assert result.returncode == 1
+    assert f"needs {gpus} GPUs; found {gpus - 1} (nvidia-smi -L, CUDA_VISIBLE_DEVICES={visible})" in result.stderr
+    result = run(
+        "sglang_h200_moe.sh",
+        "--model",
+        str(model),
+        "--gpus",
+        str(gpus - 1),
+        "--dry-run",
+        bin_dir=bin_dir,
+        CUDA_VISIBLE_DEVICES=visible,
+    )
+    assert result.returncode == 0, result.stderr
+    command = parse_dry_run(result.stdout)[1]
+    assert flag(command, "--ep-size") == str(gpus - 1)
+
+
+@pytest.mark.parametrize("script", ["sglang_h200_moe.sh", "vllm_h200_moe.sh"])
+def test_h200_recipes_need_nvidia(script: str, model: Path, tmp_path: Path) -> None:
+    result = run(script, "--model", str(model), "--dry-run", bin_dir=fake_gpu_tool(tmp_path, "amd-smi", 8))
+    assert result.returncode == 1
+    assert "error: this recipe is for nvidia GPUs; found amd (amd-smi list)" in result.stderr
+
+
+@pytest.mark.skipif(
+    any(shutil.which(tool, path=SYSTEM_PATH) for tool in ("nvidia-smi", "amd-smi", "rocm-smi")),
+    reason="this host has a GPU tool in the system PATH",
+)
+def test_no_gpu_tool(rng: random.Random, model: Path, tmp_path: Path) -> None:
+    """A dry run works anywhere: it says the GPUs were not checked. A real launch needs a GPU tool."""
+    script = rng.choice(SCRIPTS)
+    result = run(script, "--model", str(model), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "# GPUs not checked: none of nvidia-smi, amd-smi or rocm-smi is on PATH" in result.stdout.splitlines()
+    exports, command = parse_dry_run(result.stdout)
+    assert tuple(exports) == MORI_ENV and str(model) in command
+    result = run(script, "--model", str(model), PYTHON="/bin/false")
+    assert result.returncode == 1
+    assert "error: no GPU tool found: none of nvidia-smi, amd-smi or rocm-smi is on PATH" in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_options_take_their_value_after_an_equals_sign(
+    rng: random.Random, script: str, model: Path, tmp_path: Path
+) -> None:
+    dtype, port = rng.choice(COMBINE), rng.randrange(1, 65536)
+    result = run(
+        script,
+        f"--model={model}",
+        f"--combine-dtype={dtype}",
+        f"--port={port}",
+        "--gpus=2",
+        "--dry-run",
+        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+    )
+    assert result.returncode == 0, result.stderr
+    exports, command = parse_dry_run(result.stdout)
+    assert exports["SGLANG_MORI_COMBINE_DTYPE"] == dtype
+    assert flag(command, "--port") == str(port) and str(model) in command
+
+
+@pytest.mark.parametrize(
+    ("script", "extra", "message"),
+    [
+        (
+            "sglang_h200_moe.sh",
+            ["--moe-a2a-backend", "deepep"],
+            "'-- --moe-a2a-backend deepep' contradicts the recipe, which runs --moe-a2a-backend mori; "
+            "this recipe does not change it",
+        ),
+        (
+            "sglang_deepseek_r1_mxfp4.sh",
+            ["--deepep-mode=normal"],
+            "'-- --deepep-mode=normal' contradicts the recipe, which runs --deepep-mode low_latency; "
+            "set it with the script's --mode option",
+        ),
+        (
+            "sglang_h200_moe.sh",
+            ["--tp", "4"],
+            "'-- --tp 4' contradicts the recipe, which runs --tp-size 8; set it with the script's --gpus option",
+        ),
+        (
+            "sglang_h200_moe.sh",
+            ["--mem-fraction-static", "0.8", "--port", "1"],
+            "'-- --port 1' contradicts the recipe, which runs --port 30000; set it with the script's --port option",
+        ),
+        (
+            "vllm_h200_moe.sh",
+            ["--all2all-backend", "deepep_low_latency"],
+            "'-- --all2all-backend deepep_low_latency' contradicts the recipe, which runs --all2all-backend "
+            "mori_high_throughput; set it with the script's --mode option",
+        ),
+        (
+            "vllm_deepseek_r1_mxfp4.sh",
+            ["-tp", "8"],
+            "'-- -tp 8' contradicts the recipe, which runs --tensor-parallel-size 1; this recipe does not change it",
+        ),
+        (
+            "vllm_h200_moe.sh",
+            ["--max-num-batched-tokens=8192"],
+            "'-- --max-num-batched-tokens=8192' contradicts the recipe, which runs --max-num-batched-tokens 4096; "
+            "set it with the script's --max-dispatch-tokens option",
+        ),
+    ],
+)
+def test_server_args_that_contradict_the_recipe_are_refused(
+    script: str, extra: list[str], message: str, model: Path, tmp_path: Path
+) -> None:
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    for dry_run in (["--dry-run"], []):
+        result = run(script, "--model", str(model), *dry_run, "--", *extra, bin_dir=bin_dir, PYTHON="/bin/false")
+        assert result.returncode == 2
+        assert result.stderr == f"error: {message}\n" and result.stdout == ""
+
+
+@pytest.mark.parametrize(("script", "module"), [("sglang_h200_moe.sh", "sglang"), ("vllm_h200_moe.sh", "vllm")])
+def test_launch_needs_the_framework(script: str, module: str, model: Path, tmp_path: Path) -> None:
+    """Without --dry-run the script checks the interpreter before it execs anything."""
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    fake_python = bin_dir / "python-without-frameworks"
+    fake_python.write_text(f'#!/bin/sh\ncase "$2" in "import {module}") exit 1;; esac\necho "ran: $*"\n')
+    fake_python.chmod(0o755)
+    result = run(script, "--model", str(model), bin_dir=bin_dir, PYTHON=str(fake_python))
+    assert result.returncode == 1
+    assert f"error: '{fake_python}' cannot import {module}; install it or set PYTHON" in result.stderr
+    assert "ran:" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("script", "entry"),
+    [("sglang_h200_moe.sh", "sglang.launch_server"), ("vllm_h200_moe.sh", "vllm.entrypoints.cli.main")],
+)
+def test_launch_shows_settings_then_execs_the_server(
+    rng: random.Random, script: str, entry: str, model: Path, tmp_path: Path
+) -> None:
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    fake_python = bin_dir / "python"
+    fake_python.write_text('#!/bin/sh\necho "ran: $* combine=$SGLANG_MORI_COMBINE_DTYPE pid=$$"\n')
+    fake_python.chmod(0o755)
+    dtype = rng.choice(COMBINE)
+    result = run(script, "--model", str(model), "--combine-dtype", dtype, bin_dir=bin_dir, PYTHON=str(fake_python))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"ran: -m mori_sglang.env combine={dtype}")
+    assert lines[1].startswith(f"ran: -m {entry} ") and f"combine={dtype}" in lines[1]
+    assert len(lines) == 2

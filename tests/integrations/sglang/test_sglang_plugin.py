@@ -1,0 +1,713 @@
+"""The SGLang plugin against the real SGLang package, on CPU.
+
+SGLang's own loader must discover the entry point and swap its ``MoriEPDispatcher`` for ours; SGLang's
+own factory (``create_moe_dispatcher`` with ``--moe-a2a-backend mori``) must then build ours with the
+upstream keywords; its launch-time resolution must keep the chunked-prefill check and reject bad
+``SGLANG_MORI_*`` values by name. The layer tests run a MoE step on 2 and 4 gloo ranks through that
+factory (router top-k -> our dispatch -> per-expert MLPs on the received rows -> our combine) and compare
+it with the same layer computed on all tokens in one process, for every dispatch and combine dtype in
+normal, low-latency and split modes, with two-batch-overlap instances interleaved.
+
+Run with the environment ``.ci/install-sglang.sh VENV`` builds; elsewhere the module is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.sglang.cpu_import import prepare_sglang_cpu_import
+
+prepare_sglang_cpu_import()
+pytest.importorskip(
+    "sglang", reason="needs the sglang package: .ci/install-sglang.sh VENV installs SGLang 0.5.23 for CPU tests"
+)
+
+import torch.distributed as dist  # noqa: E402
+from sglang.srt.arg_groups.resolution_hooks import _HOOKS  # noqa: E402
+from sglang.srt.batch_overlap import two_batch_overlap  # noqa: E402
+from sglang.srt.batch_overlap.two_batch_overlap import MaybeTboDeepEPDispatcher  # noqa: E402
+from sglang.srt.distributed.parallel_state import GroupCoordinator  # noqa: E402
+from sglang.srt.layers.moe import token_dispatcher  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton.layer import create_moe_dispatcher  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig  # noqa: E402
+from sglang.srt.layers.moe.token_dispatcher import moriep  # noqa: E402
+from sglang.srt.layers.moe.token_dispatcher.base import DispatchOutputFormat  # noqa: E402
+from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
+from sglang.srt.layers.moe.utils import DeepEPMode, MoeA2ABackend  # noqa: E402
+from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group  # noqa: E402
+from sglang.srt.runtime_context import get_flags, get_forward, get_parallel  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from mori_sglang import formats  # noqa: E402
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode  # noqa: E402
+from mori_sglang.env import EnvError  # noqa: E402
+from mori_sglang.integrations.sglang import plugin  # noqa: E402
+from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher  # noqa: E402
+from mori_sglang.op import InputError  # noqa: E402
+from mori_sglang.providers.mori_provider import finalize_shmem  # noqa: E402
+from tests.helpers import generator, run_gloo  # noqa: E402
+
+# Captured before any test loads the plugins, inside a tuple: the registry rebinds every module-level
+# name that holds the replaced class.
+UPSTREAM = (moriep.MoriEPDispatcher,)
+HIDDEN = 256
+TOPK = 3
+CAP_VAR = "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang context: a tp group coordinator and the MoE flags its factory reads
+# ---------------------------------------------------------------------------------------------
+
+
+def tp_coordinator(world_size: int, rank: int) -> GroupCoordinator:
+    """SGLang's own tp group over the default (gloo) process group, as its launcher builds it."""
+    return GroupCoordinator([list(range(world_size))], rank, "gloo", *[False] * 6, group_name="tp")
+
+
+@contextlib.contextmanager
+def sglang_moe(tp: GroupCoordinator, deepep_mode: DeepEPMode, tbo: bool = False) -> Iterator[None]:
+    """What ``--moe-a2a-backend mori --deepep-mode ...`` sets up before the model is built."""
+    with (
+        get_parallel().override(tp_group=tp),
+        get_flags().moe.override(a2a_backend=MoeA2ABackend.MORI, deepep_mode=deepep_mode, tbo_enabled=tbo),
+    ):
+        yield
+
+
+def runner_config(num_experts: int, world_size: int) -> MoeRunnerConfig:
+    return MoeRunnerConfig(
+        num_experts=num_experts,
+        num_local_experts=num_experts // world_size,
+        hidden_size=HIDDEN,
+        top_k=TOPK,
+        params_dtype=torch.bfloat16,
+    )
+
+
+def build_with_factory(tp: GroupCoordinator, num_experts: int, deepep_mode: DeepEPMode, tbo: bool):
+    with sglang_moe(tp, deepep_mode, tbo):
+        return create_moe_dispatcher(runner_config(num_experts, tp.world_size), None)
+
+
+@pytest.fixture(scope="module")
+def tp() -> Iterator[GroupCoordinator]:
+    """A one-rank gloo world in this process (the multi-rank tests spawn their own)."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield tp_coordinator(dist.get_world_size(), dist.get_rank())
+    if owned:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded() -> None:
+    load_plugins()
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Every SGLANG_MORI_* variable unset (restored afterwards), so the defaults apply."""
+    for name in list(os.environ):
+        if name.startswith(("SGLANG_MORI_", "MORI_")):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def make_dispatcher(tp: GroupCoordinator, deepep_mode: DeepEPMode = DeepEPMode.NORMAL, **overrides):
+    keywords = dict(
+        group=tp,
+        router_topk=TOPK,
+        permute_fusion=True,
+        num_experts=8,
+        num_local_experts=8 // tp.world_size,
+        hidden_size=HIDDEN,
+        params_dtype=torch.bfloat16,
+        deepep_mode=deepep_mode,
+        async_finish=True,
+        return_recv_hook=True,
+    )
+    keywords.update(overrides)
+    return MoriSglangDispatcher(**keywords)
+
+
+def topk_output(num_tokens: int, num_experts: int, seed: int, *salt: int) -> StandardTopKOutput:
+    """Distinct random experts per token, ~10% of the slots dropped (-1), positive router weights."""
+    gen = generator(seed, *salt)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :TOPK]
+    ids = torch.where(torch.rand(num_tokens, TOPK, generator=gen) < 0.1, -1, ids).to(torch.int32)
+    weights = torch.rand(num_tokens, TOPK, generator=gen) + 0.1
+    return StandardTopKOutput(weights, ids, torch.zeros(num_tokens, num_experts))
+
+
+def tokens(num_tokens: int, seed: int, *salt: int) -> torch.Tensor:
+    return torch.randn(num_tokens, HIDDEN, generator=generator(seed, *salt)).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# discovery and replacement through SGLang's loader
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sglang_loader_discovers_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    func, dist_name = load_plugins_by_group(GENERAL_PLUGINS_GROUP)["mori_sglang"]
+    assert func is plugin.register
+    assert dist_name == "mori-sglang"
+
+
+@pytest.mark.parametrize(("allowed", "loaded"), [("mori_sglang", True), ("some_other_plugin", False)])
+def test_sglang_plugins_whitelist_is_honoured(monkeypatch: pytest.MonkeyPatch, allowed: str, loaded: bool) -> None:
+    monkeypatch.setenv("SGLANG_PLUGINS", allowed)
+    assert ("mori_sglang" in load_plugins_by_group(GENERAL_PLUGINS_GROUP)) is loaded
+
+
+def test_load_plugins_replaces_every_binding(plugins_loaded: None) -> None:
+    """The defining module and the modules that imported the class by name all see ours."""
+    assert UPSTREAM[0] is not MoriSglangDispatcher
+    for module in (moriep, token_dispatcher, two_batch_overlap):
+        assert module.MoriEPDispatcher is MoriSglangDispatcher, module.__name__
+    assert plugin.check_env_at_launch in _HOOKS[plugin.A2A_RESOLUTION_STEP]
+
+
+def test_constructor_keeps_upstream_keywords_and_defaults() -> None:
+    ours = inspect.signature(MoriSglangDispatcher).parameters
+    for name, param in inspect.signature(UPSTREAM[0]).parameters.items():
+        assert name in ours, f"upstream keyword {name} missing"
+        assert ours[name].default == param.default, f"default of {name}"
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values())
+
+
+@pytest.mark.parametrize("tbo", [False, True], ids=["single", "two_batch_overlap"])
+@pytest.mark.parametrize("deepep_mode", [DeepEPMode.NORMAL, DeepEPMode.LOW_LATENCY], ids=lambda m: m.value)
+def test_sglang_factory_builds_ours(
+    plugins_loaded: None, tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, deepep_mode: DeepEPMode, tbo: bool
+) -> None:
+    built = build_with_factory(tp, 8, deepep_mode, tbo)
+    assert isinstance(built, MaybeTboDeepEPDispatcher)
+    inners = built._inners
+    assert [type(d) for d in inners] == [MoriSglangDispatcher] * (2 if tbo else 1)
+    assert [d.instance_id for d in inners] == list(range(len(inners)))
+    for d in inners:
+        assert d.group is tp and d.process_group is tp.device_group
+        assert (d.router_topk, d.num_experts, d.num_local_experts, d.hidden_size) == (TOPK, 8, 8, HIDDEN)
+        assert d.params_dtype == torch.bfloat16 and d.deepep_mode is deepep_mode
+        assert d.permute_fusion and d.async_finish and d.return_recv_hook
+    assert torch.equal(built.expert_mask_gpu, torch.ones(8, dtype=torch.int32))
+
+
+def test_unknown_keywords_are_tolerated(tp: GroupCoordinator, clean_env: pytest.MonkeyPatch) -> None:
+    d = make_dispatcher(tp, instance_id=1, runner_backend=None, a_keyword_from_a_later_sglang=3)
+    assert d.instance_id == 1
+
+
+def test_expert_count_that_does_not_split_is_refused(tp: GroupCoordinator, clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="num_local_experts=3"):
+        make_dispatcher(tp, num_local_experts=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes and modes from the weight dtype and SGLANG_MORI_*
+# ---------------------------------------------------------------------------------------------
+
+B, F8, MX8, F4 = DispatchDtype.BF16, DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4
+CB, CF8, CCAST = CombineDtype.BF16, CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_DIRECT_CAST
+
+
+@pytest.mark.parametrize(
+    ("weight_dtype", "env", "dispatch", "combine"),
+    [
+        (torch.bfloat16, {}, B, CB),
+        (torch.float8_e4m3fn, {}, F8, CB),
+        (torch.float8_e4m3fnuz, {}, F8, CB),
+        (torch.float4_e2m1fn_x2, {}, F4, CF8),
+        (torch.float8_e4m3fn, {"SGLANG_MORI_DISPATCH_DTYPE": "bf16"}, B, CB),
+        (torch.float4_e2m1fn_x2, {"SGLANG_MORI_COMBINE_DTYPE": "bf16"}, F4, CB),
+        (
+            torch.bfloat16,
+            {"SGLANG_MORI_DISPATCH_DTYPE": "mxfp8", "SGLANG_MORI_COMBINE_DTYPE": "fp8_direct_cast"},
+            MX8,
+            CCAST,
+        ),
+        (torch.bfloat16, {"SGLANG_MORI_FP8_DISP": "1", "SGLANG_MORI_FP8_COMB": "1"}, F8, CF8),
+        (torch.bfloat16, {"SGLANG_MORI_DISPATCH_DTYPE": "auto", "SGLANG_MORI_FP4_DISP": "1"}, B, CB),
+    ],
+)
+def test_set_quant_config_picks_dtypes_from_weights_then_env(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, weight_dtype, env, dispatch, combine
+) -> None:
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    d = make_dispatcher(tp, DeepEPMode.AUTO)
+    d.set_quant_config({"weight_dtype": weight_dtype})
+    assert (d.dispatch_dtype, d.combine_dtype) == (dispatch, combine)
+    for mode in (DeepEPMode.NORMAL, DeepEPMode.LOW_LATENCY):
+        assert (d.config(mode).dispatch_dtype, d.config(mode).combine_dtype) == (dispatch, combine)
+
+
+@pytest.mark.parametrize(
+    ("deepep_mode", "split", "modes"),
+    [
+        (DeepEPMode.NORMAL, "0", {DeepEPMode.NORMAL: Mode.INTRANODE}),
+        (DeepEPMode.NORMAL, "1", {DeepEPMode.NORMAL: Mode.SPLIT}),
+        (DeepEPMode.LOW_LATENCY, "1", {DeepEPMode.LOW_LATENCY: Mode.LOW_LATENCY}),
+        (DeepEPMode.AUTO, "0", {DeepEPMode.NORMAL: Mode.INTRANODE, DeepEPMode.LOW_LATENCY: Mode.LOW_LATENCY}),
+    ],
+)
+def test_deepep_mode_and_split_variable_pick_the_op_mode(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, deepep_mode: DeepEPMode, split: str, modes: dict
+) -> None:
+    clean_env.setenv("SGLANG_MORI_SPLIT_DISPATCH_COMBINE", split)
+    clean_env.setenv(CAP_VAR, "64")
+    d = make_dispatcher(tp, deepep_mode)
+    assert {m: d.config(m).mode for m in modes} == modes
+    assert all(d.config(m).max_tokens_per_rank == 64 for m in modes)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SGLANG_MORI_DISPATCH_DTYPE", "fp16"),
+        ("SGLANG_MORI_COMBINE_DTYPE", "int8"),
+        (CAP_VAR, "4k"),
+        (CAP_VAR, "0"),
+        ("SGLANG_MORI_SPLIT_DISPATCH_COMBINE", "maybe"),
+        ("SGLANG_MORI_BACKEND", "cuda"),
+        ("SGLANG_MORI_FP8_TYPE", "e5m2"),
+    ],
+)
+def test_bad_env_value_fails_at_construction_naming_the_variable(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    clean_env.setenv(name, value)
+    with pytest.raises(EnvError, match=name):
+        make_dispatcher(tp)
+    with pytest.raises(EnvError, match=name):
+        plugin.check_mori_env()
+
+
+def test_combine_dtype_no_provider_here_offers_is_refused_when_the_op_is_built(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch
+) -> None:
+    clean_env.setenv("SGLANG_MORI_COMBINE_DTYPE", "fp4")
+    clean_env.setenv("SGLANG_MORI_BACKEND", "torch")
+    d = make_dispatcher(tp)
+    with pytest.raises(ConfigError, match="SGLANG_MORI_COMBINE_DTYPE"):
+        d.set_quant_config({"weight_dtype": torch.bfloat16})
+
+
+# ---------------------------------------------------------------------------------------------
+# launch-time resolution (SGLang's ServerArgs pipeline with our hook)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_moe_model(tmp_path: Path) -> str:
+    """A local config of a small Mixtral: resolution reads it, nothing is downloaded or loaded."""
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 256,'
+        ' "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1,'
+        ' "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512, "max_position_embeddings": 512,'
+        ' "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "rope_theta": 10000.0}'
+    )
+    return str(tmp_path)
+
+
+@pytest.fixture
+def restored_environ() -> Iterator[None]:
+    """Resolution writes variables (e.g. SGLANG_MORI_EP_V2); put the environment back afterwards."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def resolve(model: str, backend: str, chunked_prefill_size: int = 2048) -> ServerArgs:
+    args = ServerArgs(
+        model_path=model,
+        skip_tokenizer_init=True,
+        device="cpu",
+        tp_size=2,
+        moe_a2a_backend=backend,
+        chunked_prefill_size=chunked_prefill_size,
+    )
+    args.resolve_once()
+    return args
+
+
+@pytest.mark.parametrize(("cap", "ok"), [("1024", False), ("2048", True)])
+def test_launch_keeps_sglangs_chunked_prefill_check(
+    plugins_loaded: None, tiny_moe_model: str, restored_environ: None, clean_env: pytest.MonkeyPatch, cap: str, ok: bool
+) -> None:
+    clean_env.setenv(CAP_VAR, cap)
+    if ok:
+        resolve(tiny_moe_model, "mori", chunked_prefill_size=2048)
+    else:
+        with pytest.raises(AssertionError, match=CAP_VAR):
+            resolve(tiny_moe_model, "mori", chunked_prefill_size=2048)
+
+
+@pytest.mark.parametrize(("backend", "rejected"), [("mori", True), ("none", False)])
+def test_launch_rejects_a_bad_variable_only_for_the_mori_backend(
+    plugins_loaded: None,
+    tiny_moe_model: str,
+    restored_environ: None,
+    clean_env: pytest.MonkeyPatch,
+    backend: str,
+    rejected: bool,
+) -> None:
+    clean_env.setenv("SGLANG_MORI_BACKEND", "nvshmem")
+    if rejected:
+        with pytest.raises(EnvError, match="SGLANG_MORI_BACKEND"):
+            resolve(tiny_moe_model, backend)
+    else:
+        resolve(tiny_moe_model, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank: the call contract, the outputs SGLang reads, hooks, errors
+# ---------------------------------------------------------------------------------------------
+
+
+def combine_input_of(out, y: torch.Tensor):
+    if out.format is DispatchOutputFormat.DEEPEP_NORMAL:
+        return moriep.MoriEPNormalCombineInput(hidden_states=y, topk_ids=out.topk_ids, topk_weights=out.topk_weights)
+    return moriep.MoriEPLLCombineInput(hidden_states=y, topk_ids=out.topk_ids, topk_weights=out.topk_weights)
+
+
+@pytest.mark.parametrize(
+    ("deepep_mode", "extend", "output_class"),
+    [
+        (DeepEPMode.NORMAL, False, moriep.MoriEPNormalDispatchOutput),
+        (DeepEPMode.LOW_LATENCY, True, moriep.MoriEPLLDispatchOutput),
+        (DeepEPMode.AUTO, True, moriep.MoriEPNormalDispatchOutput),
+        (DeepEPMode.AUTO, False, moriep.MoriEPLLDispatchOutput),
+    ],
+)
+def test_one_rank_step_returns_what_sglang_reads(
+    tp: GroupCoordinator,
+    clean_env: pytest.MonkeyPatch,
+    seed: int,
+    deepep_mode: DeepEPMode,
+    extend: bool,
+    output_class: type,
+) -> None:
+    """One rank owns every expert: each token with a kept slot comes back to itself once. With an
+    expert side that returns x * (sum of its kept weights), combine must give exactly that in bf16."""
+    clean_env.setenv(CAP_VAR, "32")
+    clean_env.setenv("SGLANG_MORI_DISPATCH_DTYPE", "fp8")
+    d = make_dispatcher(tp, deepep_mode)
+    calls: list[str] = []
+    d.register_deepep_dispatch_hook(lambda dispatcher: calls.append("deepep") if dispatcher is d else None)
+    d.register_pre_dispatch_hook(lambda dispatcher, x, topk: calls.append("pre") or None)
+    d.register_post_combine_hook(lambda dispatcher, y: calls.append("post_combine") or None)
+    x = tokens(20, seed)
+    topk = topk_output(20, 8, seed)
+    with get_forward().scoped(is_extend_in_batch=extend):
+        out = d.dispatch(hidden_states=x, topk_output=topk)
+    assert calls == ["pre", "deepep"]
+    assert type(out) is output_class
+    kept = (topk.topk_ids >= 0).any(dim=1)
+    n = int(kept.sum())
+    capacity = 32
+    assert out.hidden_states.shape == (capacity, HIDDEN) and out.hidden_states.dtype == torch.float8_e4m3fn
+    assert out.hidden_states_scale.shape == (capacity, HIDDEN // 128)
+    assert out.hidden_states_scale.dtype == torch.float32
+    assert out.topk_ids.shape == (capacity, TOPK) and out.topk_ids.dtype == torch.int32
+    assert out.topk_weights.shape == (capacity, TOPK) and out.topk_weights.dtype == torch.float32
+    assert out.num_recv_tokens_per_expert.tolist() == [n]
+    assert torch.equal(out.origin_topk_ids, topk.topk_ids) and torch.equal(out.origin_topk_weights, topk.topk_weights)
+    assert out.out_dtype == torch.bfloat16
+    assert torch.equal(out.topk_ids[:n], topk.topk_ids[kept])
+    payload, scales = formats.quantize_dispatch(x[kept], DispatchDtype.FP8, torch.float8_e4m3fn)
+    assert torch.equal(out.hidden_states[:n].view(torch.uint8), payload.view(torch.uint8))
+    assert torch.equal(out.hidden_states_scale[:n], scales)
+
+    y = torch.full((capacity, HIDDEN), float("nan"), dtype=torch.bfloat16)
+    kept_weight = torch.where(out.topk_ids[:n] >= 0, out.topk_weights[:n], 0).sum(dim=1, keepdim=True)
+    y[:n] = (x[kept].float() * kept_weight).to(torch.bfloat16)
+    combined = d.combine(combine_input=combine_input_of(out, y))
+    assert calls[-1] == "post_combine"
+    want = torch.zeros(20, HIDDEN, dtype=torch.bfloat16)
+    want[kept] = y[:n]
+    assert combined.shape == (20, HIDDEN) and torch.equal(combined, want)
+
+
+def test_calls_out_of_order_are_refused(tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, seed: int) -> None:
+    clean_env.setenv(CAP_VAR, "16")
+    d = make_dispatcher(tp)
+    x, topk = tokens(4, seed), topk_output(4, 8, seed)
+    with pytest.raises(RuntimeError, match="dispatch_a was due"):
+        d.dispatch_b()
+    d.dispatch_a(hidden_states=x, topk_output=topk)
+    with pytest.raises(RuntimeError, match="dispatch_b was due"):
+        d.dispatch_a(hidden_states=x, topk_output=topk)
+    out = d.dispatch_b()
+    with pytest.raises(RuntimeError, match="combine_a was due"):
+        d.combine_b()
+    d.combine_a(combine_input=combine_input_of(out, torch.zeros(16, HIDDEN, dtype=torch.bfloat16)))
+    with pytest.raises(RuntimeError, match="combine_b was due"):
+        d.dispatch_a(hidden_states=x, topk_output=topk)
+    assert d.combine_b().shape == (4, HIDDEN)
+
+
+@pytest.mark.parametrize("deepep_mode", [DeepEPMode.NORMAL, DeepEPMode.LOW_LATENCY], ids=lambda m: m.value)
+def test_batch_over_the_cap_is_an_error_not_a_silent_zero(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, seed: int, deepep_mode: DeepEPMode
+) -> None:
+    """sglang#27194: a batch past the buffer capacity must fail loudly, before anything is sent, and
+    leave the dispatcher able to run the next batch."""
+    clean_env.setenv(CAP_VAR, "16")
+    d = make_dispatcher(tp, deepep_mode)
+    with pytest.raises(InputError, match=f"17 tokens exceed {CAP_VAR}=16"):
+        d.dispatch(hidden_states=tokens(17, seed), topk_output=topk_output(17, 8, seed))
+    out = d.dispatch(hidden_states=tokens(16, seed), topk_output=topk_output(16, 8, seed))
+    combined = d.combine(combine_input=combine_input_of(out, torch.ones(16, HIDDEN, dtype=torch.bfloat16)))
+    assert combined.shape == (16, HIDDEN)
+
+
+def test_non_bf16_activations_are_refused(tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, seed: int) -> None:
+    d = make_dispatcher(tp)
+    with pytest.raises(ValueError, match=r"bf16 activations, got torch\.float16"):
+        d.dispatch(hidden_states=tokens(4, seed).half(), topk_output=topk_output(4, 8, seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# a MoE layer on 2 and 4 gloo ranks against the same layer without expert parallelism
+# ---------------------------------------------------------------------------------------------
+
+LAYER_TOKENS = {2: (9, 16), 4: (13, 0, 7, 20)}  # a rank with no tokens takes part too
+LAYER_EXPERTS = 8
+LAYER_CAP = 24
+INTERMEDIATE = 32
+DISPATCH_VALUES = {B: "bf16", F8: "fp8", MX8: "mxfp8", F4: "fp4"}
+COMBINE_VALUES = {CB: "bf16", CF8: "fp8", CCAST: "fp8_direct_cast"}
+LAYER_MODES = {
+    "normal": (DeepEPMode.NORMAL, "0"),
+    "low_latency": (DeepEPMode.LOW_LATENCY, "0"),
+    "split": (DeepEPMode.NORMAL, "1"),
+}
+
+
+class Layer:
+    """Router and per-expert SiLU MLPs, in f64 so the only rounding is the one under test."""
+
+    def __init__(self, seed: int) -> None:
+        gen = generator(seed, "layer")
+        self.gate = torch.randn(HIDDEN, LAYER_EXPERTS, generator=gen)
+        self.up = torch.randn(LAYER_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen, dtype=torch.float64) / HIDDEN**0.5
+        self.down = torch.randn(LAYER_EXPERTS, INTERMEDIATE, HIDDEN, generator=gen, dtype=torch.float64)
+        self.down /= INTERMEDIATE**0.5
+
+    def route(self, x: torch.Tensor, gen: torch.Generator) -> StandardTopKOutput:
+        """Softmax top-k of the router logits; ~10% of the slots then dropped (-1), as SGLang masks them."""
+        logits = x.float() @ self.gate
+        weights, ids = torch.topk(logits.softmax(dim=1), TOPK, dim=1)
+        ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.1, -1, ids).to(torch.int32)
+        return StandardTopKOutput(weights, ids, logits)
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor):
+        """Sum over the kept slots of weight * expert(x), and the sum of the terms' magnitudes."""
+        out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
+        magnitude = torch.zeros_like(out)
+        for e in ids[keep].unique().tolist():
+            rows, slots = (keep & (ids == e)).nonzero(as_tuple=True)
+            h = torch.nn.functional.silu(x[rows].double() @ self.up[e]) @ self.down[e]
+            term = weights[rows, slots, None].double() * h
+            out.index_add_(0, rows, term)
+            magnitude.index_add_(0, rows, term.abs())
+        return out, magnitude
+
+
+def layer_batch(layer: Layer, world_size: int, seed: int, rank: int, step: int, sub: int):
+    """Rank ``rank``'s tokens and routing for one (step, micro-batch): every process can rebuild them."""
+    gen = generator(seed, world_size, rank, step, sub)
+    n = LAYER_TOKENS[world_size][rank] + sub  # the two micro-batches differ in size
+    x = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+    return x, layer.route(x, gen)
+
+
+def reference(layer: Layer, x: torch.Tensor, topk: StandardTopKOutput, dispatch: DispatchDtype):
+    """The layer on all of a rank's tokens in one process. Activations go through the dispatch format
+    first, as a non-EP layer with quantized activations does: the format is per token, so this is the
+    same input the experts see in the EP run (``test_formats`` bounds the format's own error)."""
+    payload, scales = formats.quantize_dispatch(x, dispatch, torch.float8_e4m3fn)
+    activations = formats.dequantize_dispatch(payload, scales, dispatch, HIDDEN)
+    ids, weights = topk.topk_ids.long(), topk.topk_weights
+    return layer.experts(activations, ids, weights, ids >= 0)
+
+
+def received_activations(out, dispatch: DispatchDtype, n: int) -> torch.Tensor:
+    """Decode the received rows from the fields and dtypes SGLang's MoE runners read."""
+    hs, scale = out.hidden_states, out.hidden_states_scale
+    if dispatch is DispatchDtype.BF16:
+        assert hs.dtype == torch.bfloat16 and hs.shape[1] == HIDDEN and scale is None
+        return hs[:n].float()
+    if dispatch is DispatchDtype.MXFP4:
+        assert hs.dtype == torch.float4_e2m1fn_x2 and hs.shape[1] == HIDDEN // 2
+        hs = hs.view(torch.uint8)
+    else:
+        assert hs.dtype == torch.float8_e4m3fn and hs.shape[1] == HIDDEN
+    if dispatch is DispatchDtype.FP8:
+        assert scale.dtype == torch.float32 and scale.shape[1] == HIDDEN // 128
+    else:
+        assert scale.dtype == torch.float8_e8m0fnu and scale.shape[1] == HIDDEN // 32
+    return formats.dequantize_dispatch(hs[:n], scale[:n], dispatch, HIDDEN)
+
+
+def expert_side(layer: Layer, out, mask: torch.Tensor, dispatch: DispatchDtype) -> torch.Tensor:
+    """What a runner does with a MoRI dispatch output: this rank's experts (by ``expert_mask_gpu``) on
+    the received rows, router weights applied, bf16 out. Rows past the received count are NaN: combine
+    must never read them."""
+    n = int(out.num_recv_tokens_per_expert.item())
+    ids = out.topk_ids[:n].long()
+    keep = (ids >= 0) & (mask[ids.clamp(min=0)] == 1)
+    y, _ = layer.experts(received_activations(out, dispatch, n), ids, out.topk_weights[:n], keep)
+    full = torch.full((out.hidden_states.shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
+    full[:n] = y.to(torch.bfloat16)
+    return full
+
+
+def error_bound(magnitude: torch.Tensor, combine: CombineDtype, world_size: int) -> torch.Tensor:
+    """Largest |EP - reference| per element; ``magnitude`` is the sum of |weight * expert(x)| (S).
+
+    bf16 keeps 8 significant bits, so a rounding moves a value by at most 2^-8 of it. The expert side
+    rounds each rank's partial sum to bf16 and combine rounds the total once more: 2^-7 S. An e4m3
+    combine (4 significant bits) moves each partial by 2^-4 of it for normals, plus half the subnormal
+    step (2^-10) times the block scale (amax / 448, amax <= the block's largest S, grown by the bf16
+    rounding) for blockwise, or unscaled for the direct cast; (2^-4 + 2^-6) S covers the relative terms
+    of the three roundings. 2^-20 S covers the f32 arithmetic.
+    """
+    if combine is CombineDtype.BF16:
+        return (2.0**-7 + 2.0**-20) * magnitude
+    relative = (2.0**-4 + 2.0**-6) * magnitude
+    if combine is CombineDtype.FP8_DIRECT_CAST:
+        return relative + world_size * 2.0**-10
+    blocks = magnitude.view(magnitude.shape[0], HIDDEN // 128, 128).amax(dim=2, keepdim=True)
+    block_scale = (1 + 2.0**-7) / 448 * blocks.expand(-1, -1, 128).reshape(magnitude.shape)
+    return relative + world_size * 2.0**-10 * block_scale
+
+
+def check_layer(
+    world_size: int,
+    mode_name: str,
+    seed: int,
+    dispatch: DispatchDtype,
+    combine: CombineDtype,
+    tp,
+    bound: CombineDtype | None = None,
+) -> None:
+    """``bound``: the combine format whose error bound applies (default: ``combine``)."""
+    rank = tp.rank_in_group
+    deepep_mode = LAYER_MODES[mode_name][0]
+    layer = Layer(seed)
+    ep = build_with_factory(tp, LAYER_EXPERTS, deepep_mode, tbo=True)
+    ep.set_quant_config({"weight_dtype": torch.bfloat16})
+    assert [d.dispatch_dtype for d in ep._inners] == [dispatch] * 2
+    assert [d.combine_dtype for d in ep._inners] == [combine] * 2
+    local = LAYER_EXPERTS // world_size
+    mask = ep.expert_mask_gpu
+    assert mask.tolist() == [int(e // local == rank) for e in range(LAYER_EXPERTS)]
+    output_format = DispatchOutputFormat.DEEPEP_LL if mode_name == "low_latency" else DispatchOutputFormat.DEEPEP_NORMAL
+    what = f"{mode_name} dispatch={dispatch.value} combine={combine.value} rank {rank}/{world_size}"
+
+    # step 0: one micro-batch through dispatch() / combine(); step 1: two micro-batches interleaved
+    # through the *_a / *_b halves of the two-batch-overlap instances.
+    for step, subs in ((0, [0]), (1, [0, 1])):
+        batches = [layer_batch(layer, world_size, seed, rank, step, sub) for sub in subs]
+        if len(subs) == 1:
+            outs = [ep.dispatch(hidden_states=batches[0][0], topk_output=batches[0][1])]
+        else:
+            for sub, (x, topk) in zip(subs, batches, strict=True):
+                ep.dispatch_a(hidden_states=x, topk_output=topk, tbo_subbatch_index=sub)
+            outs = [ep.dispatch_b(tbo_subbatch_index=sub) for sub in subs]
+        ys = [expert_side(layer, out, mask, dispatch) for out in outs]
+        if len(subs) == 1:
+            results = [ep.combine(combine_input=combine_input_of(outs[0], ys[0]))]
+        else:
+            for sub, out, y in zip(subs, outs, ys, strict=True):
+                ep.combine_a(combine_input=combine_input_of(out, y), tbo_subbatch_index=sub)
+            results = [ep.combine_b(tbo_subbatch_index=sub) for sub in subs]
+
+        for sub, (x, topk), out, got in zip(subs, batches, outs, results, strict=True):
+            where = f"{what} step {step} micro-batch {sub}"
+            assert out.format is output_format, where
+            senders = [layer_batch(layer, world_size, seed, r, step, sub)[1].topk_ids for r in range(world_size)]
+            arrivals = sum(int(((ids >= 0) & (ids // local == rank)).any(dim=1).sum()) for ids in senders)
+            assert out.num_recv_tokens_per_expert.tolist() == [arrivals], where
+            want, magnitude = reference(layer, x, topk, dispatch)
+            assert got.shape == (x.shape[0], HIDDEN) and got.dtype == torch.bfloat16, where
+            excess = (got.double() - want).abs() - error_bound(magnitude, bound or combine, world_size)
+            worst = float(excess.max()) if excess.numel() else 0.0
+            assert worst <= 0, f"{where}: error exceeds its bound by {worst}"
+
+
+def _layer_worker(rank: int, world_size: int, seed: int) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SGLANG_MORI_", "MORI_")):
+            del os.environ[name]
+    os.environ[CAP_VAR] = str(LAYER_CAP)
+    load_plugins()
+    tp = tp_coordinator(world_size, rank)
+    for mode_name, (_, split) in LAYER_MODES.items():
+        os.environ["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] = split
+        for dispatch, combine in [(d, c) for d in DISPATCH_VALUES for c in COMBINE_VALUES]:
+            os.environ["SGLANG_MORI_DISPATCH_DTYPE"] = DISPATCH_VALUES[dispatch]
+            os.environ["SGLANG_MORI_COMBINE_DTYPE"] = COMBINE_VALUES[combine]
+            check_layer(world_size, mode_name, seed, dispatch, combine, tp)
+
+
+def _mori_layer_worker(rank: int, world_size: int, seed: int) -> None:
+    """The same layer through SGLANG_MORI_BACKEND=mori, over the MoRI stand-in (tests/fake_mori)."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "fake_mori"))
+    for name in list(os.environ):
+        if name.startswith(("SGLANG_MORI_", "MORI_")):
+            del os.environ[name]
+    os.environ[CAP_VAR] = str(LAYER_CAP)
+    os.environ["SGLANG_MORI_BACKEND"] = "mori"
+    load_plugins()
+    try:
+        _mori_layer_checks(rank, world_size, seed)
+    finally:
+        finalize_shmem()
+
+
+def _mori_layer_checks(rank: int, world_size: int, seed: int) -> None:
+    tp = tp_coordinator(world_size, rank)
+    for mode_name, (_, split) in LAYER_MODES.items():
+        os.environ["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] = split
+        for dispatch, combine in [(B, CB), (F8, CF8), (F4, CCAST)]:
+            os.environ["SGLANG_MORI_DISPATCH_DTYPE"] = DISPATCH_VALUES[dispatch]
+            os.environ["SGLANG_MORI_COMBINE_DTYPE"] = COMBINE_VALUES[combine]
+            # MoRI's blockwise scales only blocks above the fp8 range: below it, the direct cast's bound.
+            check_layer(world_size, mode_name, seed, dispatch, combine, tp, bound=combine if combine is CB else CCAST)
+    import mori
+
+    ops = mori.ops.EpDispatchCombineOp.instances
+    v2_ops = mori.ops.dispatch_combine_v2.EpDispatchCombineOp.instances
+    assert ops and v2_ops and all(op.calls for op in ops + v2_ops), "the layer did not run through MoRI"
+    kinds = {op.config.kernel_type.name for op in ops}
+    assert kinds == {"IntraNode", "AsyncLL"}, kinds  # bf16 intranode took EP v2
+
+
+def test_moe_layer_through_native_mori_equals_the_layer_without(seed: int, tmp_path: Path) -> None:
+    """SGLANG_MORI_BACKEND=mori: SGLang's factory builds our dispatcher over the MoRI provider, and the
+    layer matches the one without expert parallelism in every mode."""
+    run_gloo(2, _mori_layer_worker, (seed,), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_moe_layer_with_expert_parallelism_equals_the_layer_without(world_size: int, seed: int, tmp_path: Path) -> None:
+    """Normal, low-latency and split modes x every dispatch and combine dtype, through SGLang's factory,
+    on ``world_size`` gloo ranks (one spawn per world: importing SGLang dominates the cost)."""
+    run_gloo(world_size, _layer_worker, (seed,), tmp_path)

@@ -1,0 +1,407 @@
+"""The native MoRI provider against a stand-in with MoRI's Python API and behaviour (tests/fake_mori):
+SGLang's configuration and choice of API, the ids MoRI's kernels are handed, and dispatch/combine
+round trips on 2 and 4 gloo ranks that equal the torch provider (received rows, bf16 and direct-cast
+combines) and MoRI's blockwise numerics (the stand-in's, held to a transliteration of MoRI's kernels
+in test_mori_numerics.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mori_sglang import formats, providers
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.op import EpDispatchCombineOp
+from mori_sglang.providers import mori_ids
+from mori_sglang.providers.device_status import DeviceStatus
+from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, uses_ep_v2
+from mori_sglang.providers.mori_v1 import check_combine_quantization, kernel_type_name, mori_config_kwargs
+from mori_sglang.providers.mori_v2 import scale_row
+from mori_sglang.types import InputError
+from tests.helpers import make_topk_ids, run_gloo
+
+FAKE_MORI = str(Path(__file__).parents[1] / "fake_mori")
+EXPERTS, TOPK, MAX_TOKENS = 8, 3, 6
+
+
+@pytest.fixture
+def fake_mori(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The stand-in importable as ``mori`` for one test, and forgotten afterwards."""
+    monkeypatch.syspath_prepend(FAKE_MORI)
+    yield
+    for name in [m for m in sys.modules if m == "mori" or m.startswith("mori.")]:
+        del sys.modules[name]
+
+
+def test_auto_picks_native_mori_on_a_gpu_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(providers, "mori_available", lambda: True)
+    assert providers.resolve_provider(Provider.AUTO, torch.device("cuda", 0)) is Provider.MORI
+    assert providers.resolve_provider(Provider.AUTO, torch.device("cpu")) is Provider.TORCH
+    monkeypatch.setattr(providers, "mori_available", lambda: False)
+    assert providers.resolve_provider(Provider.AUTO, torch.device("cpu")) is Provider.TORCH
+    with pytest.raises(ConfigError, match="SGLANG_MORI_BACKEND=mori but the native MoRI package does not import"):
+        providers.resolve_provider(Provider.MORI, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "max_tokens", "environ", "kernel"),
+    [
+        (Mode.INTRANODE, 8, 4096, {}, "IntraNode"),
+        (Mode.INTRANODE, 16, 4096, {}, "InterNodeV1"),
+        (Mode.INTRANODE, 16, 256, {}, "InterNodeV1LL"),
+        (Mode.INTRANODE, 16, 257, {}, "InterNodeV1"),
+        (Mode.INTRANODE, 16, 512, {"SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "512"}, "InterNodeV1LL"),
+        (Mode.INTRANODE, 8, 4096, {"MORI_ENABLE_SDMA": "1"}, "AsyncLL"),
+        (Mode.LOW_LATENCY, 8, 4096, {}, "AsyncLL"),
+        (Mode.SPLIT, 8, 4096, {}, "AsyncLL"),
+    ],
+)
+def test_v1_kernel_type_as_sglang_picks_it(
+    monkeypatch: pytest.MonkeyPatch, mode: Mode, world: int, max_tokens: int, environ: dict, kernel: str
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    cfg = EpConfig(world, 0, 7168, 256, 8, max_tokens_per_rank=max_tokens, mode=mode)
+    assert kernel_type_name(cfg) == kernel
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "combine", "environ", "v2"),
+    [
+        (Mode.INTRANODE, 8, CombineDtype.BF16, {}, True),
+        (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_EP_V2": "1"}, True),
+        (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_EP_V2": "0"}, False),
+        (Mode.INTRANODE, 16, CombineDtype.BF16, {}, False),  # across hosts
+        (Mode.LOW_LATENCY, 8, CombineDtype.BF16, {}, False),  # AsyncLL
+        (Mode.SPLIT, 8, CombineDtype.BF16, {}, False),  # AsyncLL's split combine
+        (Mode.INTRANODE, 8, CombineDtype.FP8_BLOCKWISE, {}, False),  # v1's blockwise format
+        (Mode.INTRANODE, 8, CombineDtype.FP8_DIRECT_CAST, {}, False),
+    ],
+)
+def test_ep_v2_where_sglang_takes_it_and_v1_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, mode: Mode, world: int, combine: CombineDtype, environ: dict, v2: bool
+) -> None:
+    monkeypatch.delenv("SGLANG_MORI_EP_V2", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert uses_ep_v2(EpConfig(world, 0, 7168, 256, 8, mode=mode, combine_dtype=combine)) is v2
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "combine", "max_tokens", "scale_dim", "quant_type", "grid"),
+    [
+        (DispatchDtype.BF16, CombineDtype.BF16, 4096, 0, "none", (16, 80)),
+        (DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE, 4096, 256, "fp8_blockwise", (16, 80)),  # 224 B, padded
+        (DispatchDtype.MXFP8, CombineDtype.FP8_DIRECT_CAST, 4096, 256, "fp8_direct_cast", (16, 80)),
+        (DispatchDtype.MXFP4, CombineDtype.FP4_BLOCKWISE, 4096, 256, "fp4_blockwise", (16, 256)),
+        (DispatchDtype.MXFP4, CombineDtype.BF16, 64, 256, "none", (5, 225)),  # SGLang's small-batch fp4 grid
+    ],
+)
+def test_v1_config_carries_padded_scale_rows_the_combine_quantization_and_sglang_geometry(
+    monkeypatch: pytest.MonkeyPatch,
+    dispatch: DispatchDtype,
+    combine: CombineDtype,
+    max_tokens: int,
+    scale_dim: int,
+    quant_type: str,
+    grid: tuple[int, int],
+) -> None:
+    monkeypatch.setenv("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS", "12288")
+    cfg = EpConfig(8, 3, 7168, 256, 8, max_tokens_per_rank=max_tokens, dispatch_dtype=dispatch, combine_dtype=combine)
+    layout = formats.DispatchRowLayout(
+        formats.dispatch_token_bytes(dispatch, 7168), formats.dispatch_scale_bytes(dispatch, 7168), 8
+    )
+    payload = formats.dispatch_payload_dtype(dispatch, torch.float8_e4m3fnuz)
+    token = torch.float4_e2m1fn_x2 if dispatch is DispatchDtype.MXFP4 else payload
+    kwargs = mori_config_kwargs(cfg, layout, token, payload)
+    assert kwargs["scale_dim"] == scale_dim and kwargs["scale_type_size"] == (1 if scale_dim else 0)
+    assert kwargs["quant_type"] == quant_type and kwargs["kernel_type"] == "IntraNode"
+    assert (kwargs["rank"], kwargs["world_size"], kwargs["hidden_dim"]) == (3, 8, 7168)
+    assert (kwargs["num_experts_per_rank"], kwargs["num_experts_per_token"]) == (32, 8)
+    assert kwargs["max_num_inp_token_per_rank"] == max_tokens and kwargs["max_total_recv_tokens"] == 12288
+    assert kwargs["data_type"] is token
+    assert (kwargs["warp_num_per_block"], kwargs["block_num"], kwargs["rdma_block_num"]) == (*grid, 0)
+    assert kwargs["gpu_per_node"] == 8 and kwargs["max_token_type_size"] == 2
+    # IntraNode's grid never exceeds the compute units: its combine ends in a grid-wide barrier.
+    assert mori_config_kwargs(cfg, layout, token, payload, compute_units=80)["block_num"] == min(grid[1], 80)
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "hidden", "row"),
+    [
+        (DispatchDtype.BF16, 7168, (0, 0)),
+        (DispatchDtype.FP8, 7168, (56, 4)),  # f32 per 128 elements, as SGLang states them
+        (DispatchDtype.MXFP8, 7168, (224, 1)),  # e8m0 per 32
+        (DispatchDtype.MXFP4, 2048, (64, 1)),
+    ],
+)
+def test_v2_takes_the_callers_scale_row_as_sglang_states_it(
+    dispatch: DispatchDtype, hidden: int, row: tuple[int, int]
+) -> None:
+    cfg = EpConfig(8, 0, hidden, 256, 8, dispatch_dtype=dispatch)
+    layout = formats.DispatchRowLayout(
+        formats.dispatch_token_bytes(dispatch, hidden), formats.dispatch_scale_bytes(dispatch, hidden), 8
+    )
+    assert scale_row(cfg, layout) == row
+    custom = formats.DispatchRowLayout(formats.dispatch_token_bytes(dispatch, hidden), 36, 8)
+    assert scale_row(replace(cfg, scale_bytes=36), custom) in ((9, 4), (36, 1))
+
+
+def test_a_loopback_world_refuses_native_mori(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(providers, "mori_available", lambda: True)
+    with pytest.raises(ConfigError, match="native MoRI provider runs on real ranks"):
+        LoopbackWorld(EpConfig(2, 0, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="mori"))
+    assert providers.resolve_provider(Provider.AUTO, torch.device("cuda", 0), real_ranks=False) is not Provider.MORI
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "combine"),
+    [
+        (Mode.LOW_LATENCY, 8, CombineDtype.FP4_BLOCKWISE),
+        (Mode.SPLIT, 8, CombineDtype.FP4_BLOCKWISE),
+        (Mode.INTRANODE, 16, CombineDtype.FP4_BLOCKWISE),
+        (Mode.INTRANODE, 16, CombineDtype.FP8_BLOCKWISE),
+        (Mode.INTRANODE, 16, CombineDtype.FP8_BLOCKWISE_NATIVE),
+    ],
+)
+def test_combine_quantization_a_mori_kernel_lacks_is_refused(mode: Mode, world: int, combine: CombineDtype) -> None:
+    cfg = EpConfig(world, 0, 7168, 256, 8, mode=mode, dispatch_dtype=DispatchDtype.MXFP4, combine_dtype=combine)
+    with pytest.raises(ConfigError, match=f"SGLANG_MORI_COMBINE_DTYPE={combine.value} is not offered by MoRI"):
+        check_combine_quantization(cfg, kernel_type_name(cfg))
+
+
+def test_ids_past_the_last_expert_are_dropped_and_flagged_on_the_device() -> None:
+    status = DeviceStatus(1, torch.device("cpu"))
+    ids = torch.tensor([[0, 7, -1], [8, 3, 12]])
+    dropped = mori_ids.flag_past_last(ids, EXPERTS, status)
+    checked = mori_ids.negative_for_dropped(ids, dropped)
+    assert checked.dtype == torch.int32 and checked.tolist() == [[0, 7, -1], [-1, 3, -1]]
+    provider = SimpleNamespace(config=EpConfig(2, 0, 256, EXPERTS, TOPK), _status=status)
+    with pytest.raises(InputError, match="topk_ids held expert 12"):
+        MoriProvider.check_status(provider)
+    MoriProvider.check_status(provider)  # cleared once raised
+
+
+def _asyncll_destinations(ids: torch.Tensor, num_local: int, world: int) -> list[list[int]]:
+    """The ranks AsyncLL sends each token to, as its kernel computes them (C++ division, range check,
+    one copy per rank)."""
+    ranks = []
+    for row in ids.tolist():
+        seen: list[int] = []
+        for expert in row:
+            pe = int(expert / num_local)  # truncates towards zero, like C++
+            if 0 <= pe < world and pe not in seen:
+                seen.append(pe)
+        ranks.append(seen)
+    return ranks
+
+
+def test_asyncll_routing_sends_dropped_slots_nowhere_and_the_receiver_restores_them() -> None:
+    world, num_local = 4, 2  # 8 experts
+    ids = torch.tensor(
+        [
+            [-1, 3, 5],  # the old -1 went to rank 0
+            [6, -1, 9],  # 9 is past the last expert
+            [-1, -1, -1],  # nothing kept: nothing sent
+            [1, 0, 7],  # two on rank 0
+            [12, -1, 2],
+        ]
+    )
+    weights = torch.rand(ids.shape)
+    dropped = mori_ids.flag_past_last(ids, world * num_local, DeviceStatus(1, torch.device("cpu")))
+    sent, sent_weights = mori_ids.asyncll_routing(ids, weights, dropped, world * num_local)
+    kept = [[e for e in row if 0 <= e < world * num_local] for row in ids.tolist()]
+    expected = [sorted({e // num_local for e in row}) for row in kept]
+    assert [sorted(r) for r in _asyncll_destinations(sent, num_local, world)] == expected
+    assert _asyncll_destinations(ids.int(), num_local, world)[0] == [0, 1, 2]  # the bug: -1 reached rank 0
+    for row in sent.tolist():  # AsyncLL's receiver asserts every id of a row it gets names a rank
+        assert all(0 <= int(e / num_local) < world for e in row) or all(e == world * num_local for e in row)
+    restored = mori_ids.asyncll_received(sent)
+    for t in range(ids.shape[0]):
+        if not kept[t]:
+            continue
+        pairs = sorted(zip(restored[t].tolist(), sent_weights[t].tolist(), strict=True))
+        original = zip(ids[t].tolist(), weights[t].tolist(), strict=True)
+        want = sorted((e if 0 <= e < world * num_local else -1, w) for e, w in original)
+        assert pairs == want, t
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips on gloo ranks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: Mode
+    dispatch: DispatchDtype
+    combine: CombineDtype
+    hidden: int
+    kernel: str  # which MoRI API and kernel the provider must pick
+    ep_v2: bool = True  # SGLANG_MORI_EP_V2
+    scale_dim: int | None = None  # MORI_FP8_COMBINE_SCALE_DIM
+
+
+CASES = (
+    Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 256, "v2"),
+    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.BF16, 512, "v2"),
+    Case(Mode.INTRANODE, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "v2"),
+    Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.BF16, 256, "IntraNode", ep_v2=False),
+    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE, 256, "IntraNode"),  # 56 blocks of 5
+    Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE_NATIVE, 7168, "IntraNode"),  # of 128
+    Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.FP8_DIRECT_CAST, 256, "IntraNode"),
+    Case(Mode.LOW_LATENCY, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, 256, "AsyncLL"),
+    Case(Mode.LOW_LATENCY, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "AsyncLL"),
+    Case(Mode.LOW_LATENCY, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE, 384, "AsyncLL", scale_dim=3),
+    Case(Mode.SPLIT, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE_NATIVE, 256, "AsyncLL"),
+)
+ARCHES = ("gfx942", "gfx950")
+
+
+def _rows(out, n: int) -> list[tuple]:
+    """Received rows as sortable tuples: token and scale bytes, then the (id, weight) pairs (AsyncLL
+    may move a token's first kept slot to the front)."""
+    scales = out.recv_scales()
+    rows = []
+    for j in range(n):
+        scale = bytes(scales[j].contiguous().numpy()) if scales is not None else b""
+        pairs = sorted(zip(out.topk_ids[j].tolist(), out.topk_weights[j].float().tolist(), strict=True))
+        rows.append((bytes(out.tokens[j].contiguous().view(torch.uint8).numpy()), scale, tuple(pairs)))
+    return sorted(rows)
+
+
+def _expected_mori_blockwise(
+    y: torch.Tensor, ids: torch.Tensor, num_local: int, fp8: torch.dtype, scale_dim: int
+) -> torch.Tensor:
+    """MoRI's blockwise combine of expert outputs ``y`` (one row per source token, the same on every
+    rank it went to): each distinct destination sends back MoRI's quantized row, added in order."""
+    from mori import _numerics
+
+    q, scales = _numerics.quantize_blockwise(y, fp8, scale_dim)
+    acc = torch.zeros(y.shape)
+    copies = torch.tensor([len({int(e) // num_local for e in row if e >= 0}) for row in ids.tolist()])
+    for step in range(int(copies.max()) if copies.numel() else 0):
+        stepped = _numerics.accumulate(acc, q, scales, y.shape[1])
+        acc = torch.where((copies > step)[:, None], stepped, acc)
+    return acc.to(torch.bfloat16)
+
+
+def _round_trip_worker(rank: int, world: int, seed: int, arch: str) -> None:
+    sys.path.insert(0, FAKE_MORI)
+    os.environ["FAKE_MORI_ARCH"] = arch
+    try:
+        for i, case in enumerate(CASES):
+            _round_trip(rank, world, seed + 1000 * i, arch, case)
+        _ids_past_the_last_expert(rank, world)
+    finally:
+        finalize_shmem()
+
+
+def _case_env(case: Case) -> None:
+    os.environ["SGLANG_MORI_EP_V2"] = "1" if case.ep_v2 else "0"
+    if case.scale_dim is None:
+        os.environ.pop("MORI_FP8_COMBINE_SCALE_DIM", None)
+    else:
+        os.environ["MORI_FP8_COMBINE_SCALE_DIM"] = str(case.scale_dim)
+
+
+def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None:
+    import mori
+    from mori import _numerics
+
+    _case_env(case)
+    fp8 = _numerics.FP8_BY_ARCH[arch]
+    cfg = EpConfig(
+        world,
+        rank,
+        case.hidden,
+        EXPERTS,
+        TOPK,
+        max_tokens_per_rank=MAX_TOKENS,
+        mode=case.mode,
+        dispatch_dtype=case.dispatch,
+        combine_dtype=case.combine,
+        fp8_dtype=fp8,
+    )
+    reference_combine = CombineDtype.BF16 if case.combine is not CombineDtype.FP8_DIRECT_CAST else case.combine
+    ops = {
+        "torch": EpDispatchCombineOp(replace(cfg, provider="torch", combine_dtype=reference_combine), device="cpu"),
+        "mori": EpDispatchCombineOp(replace(cfg, provider="mori"), device="cpu"),
+    }
+    provider = ops["mori"].provider
+    api = mori.ops.dispatch_combine_v2.EpDispatchCombineOp if case.kernel == "v2" else mori.ops.EpDispatchCombineOp
+    assert isinstance(provider.op, api) and provider.kernel == case.kernel, (case, provider.kernel)
+    gen = torch.Generator().manual_seed(seed + rank)
+    results = {}
+    for step in range(2):  # the second step overwrites the first's buffers
+        n = (MAX_TOKENS, 2, 0)[(rank + step) % 3]
+        x = (torch.randn(n, case.hidden, generator=gen) * 3).to(torch.bfloat16)
+        ids = make_topk_ids("dropped" if step else "random", n, EXPERTS, TOPK, world, gen)
+        weights = torch.rand(n, TOPK, generator=gen)
+        for name, op in ops.items():
+            op.dispatch_send(x, weights, None, ids)
+            out = op.dispatch_recv()
+            received = out.num_recv_host()
+            scales = None
+            if out.scales is not None:
+                padded = out.scales.as_strided((received, out.scale_stride), (out.scale_stride, 1))
+                assert out.scale_stride % 128 == 0 and not padded[:, op.scale_bytes :].any(), name
+                scales = out.recv_scales(torch.float32 if case.dispatch is DispatchDtype.FP8 else torch.uint8)
+                scales = scales[:received]
+            y = formats.dequantize_dispatch(out.tokens[:received], scales, case.dispatch, case.hidden) * 1.5
+            rows = _rows(out, received)
+            op.combine_send(y.to(torch.bfloat16), out.handle)
+            results[name] = (rows, op.combine_recv().clone())
+        assert results["mori"][0] == results["torch"][0], f"{case} step {step}: received rows differ"
+        got, ref = results["mori"][1], results["torch"][1]
+        assert got.shape == (n, case.hidden) and got.dtype == torch.bfloat16
+        if case.combine in (CombineDtype.BF16, CombineDtype.FP8_DIRECT_CAST):
+            assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"{case} step {step}: combine differs"
+        else:
+            y_src = formats.dequantize_dispatch(
+                *formats.quantize_dispatch(x, case.dispatch, fp8), case.dispatch, case.hidden
+            )
+            y_src = (y_src * 1.5).to(torch.bfloat16)
+            dim = case.scale_dim or _numerics.DEFAULT_SCALE_DIM
+            want = _expected_mori_blockwise(y_src, ids, EXPERTS // world, fp8, dim)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{case} step {step}: combine differs"
+    split = ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
+    expected_calls = {"v2": ["dispatch", "combine"], "IntraNode": ["dispatch", "combine"], "AsyncLL": split}
+    assert provider.op.calls == expected_calls[case.kernel] * 2
+
+
+def _ids_past_the_last_expert(rank: int, world: int) -> None:
+    """On a GPU the op leaves ids to the provider: ids past the last expert reach no rank (AsyncLL's
+    receiver would assert on them), -1 reaches none either, and the step raises."""
+    os.environ["SGLANG_MORI_EP_V2"] = "1"
+    local = EXPERTS // world
+    for mode in (Mode.LOW_LATENCY, Mode.INTRANODE):
+        cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=mode, provider="mori")
+        op = EpDispatchCombineOp(cfg, device="cpu")
+        op.provider.checks_ids_on_device = True
+        own = rank * local
+        ids = torch.tensor([[EXPERTS + rank, 1, -1], [EXPERTS + 5, -1, -1], [own, own + 1, EXPERTS]])
+        op.dispatch_send(torch.randn(3, 256).to(torch.bfloat16), torch.rand(3, TOPK), None, ids)
+        with pytest.raises(InputError, match=f"topk_ids held expert {EXPERTS + 5}"):
+            op.dispatch_recv()  # on CPU the flags are read at once
+        received_ids = op.provider._dispatched[3][: int(op.provider._dispatched[4][0])]
+        if mode is Mode.LOW_LATENCY:
+            received_ids = mori_ids.asyncll_received(received_ids)
+        got = sorted(tuple(sorted(row)) for row in received_ids.tolist())
+        # Token 0 of every rank reaches rank 0 (expert 1), token 2 its own rank, token 1 no rank.
+        want = [(-1, -1, 1)] * world if rank == 0 else []
+        want.append((-1, own, own + 1))
+        assert got == sorted(want), (mode, got)
+
+
+@pytest.mark.parametrize(("world", "arch"), [(2, "gfx942"), (4, "gfx950")])
+def test_round_trips_through_mori_equal_the_reference(world: int, arch: str, tmp_path: Path, seed: int) -> None:
+    run_gloo(world, _round_trip_worker, (seed, arch), tmp_path, timeout_s=480)

@@ -1,0 +1,115 @@
+"""The benchmark CLIs run end to end on a CPU: the loopback bench (torch and, through Triton's
+interpreter, triton providers) and the distributed bench under torchrun over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "2", "--combine-dtype", "bf16", "fp8_blockwise"]
+
+
+def _run(args: list[str], tmp_path: Path) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    text = _run(
+        [sys.executable, "-m", "mori_sglang.tools.bench", "--world", "2", "--tokens", "4", "--mode", "low_latency",
+         "--dispatch-dtype", "fp8", "--json", str(out), *SMALL],
+        tmp_path,
+    )  # fmt: skip
+    assert "copy roofline" in text
+    rows = _table_rows(text)
+    assert [r[0] for r in rows] == ["triton", "torch", "triton", "torch"]
+    assert [r[4] for r in rows] == ["bf16", "bf16", "fp8_blockwise", "fp8_blockwise"]
+    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 4 and data["copy_gbs"] > 0
+
+
+def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> None:
+    """``--eager`` adds a table of steps launched from Python; on a CPU only the host column has values."""
+    out = tmp_path / "bench.json"
+    text = _run(
+        [sys.executable, "-m", "mori_sglang.tools.bench", "--world", "2", "--tokens", "4", "--mode", "intranode",
+         "--no-baseline", "--eager", "--json", str(out), *SMALL[:-1]],
+        tmp_path,
+    )  # fmt: skip
+    eager = text[text.index("eager steps, per rank") :]
+    rows = _table_rows(eager[eager.index("| provider") :])
+    assert [(r[0], r[1], r[4]) for r in rows] == [("triton", "intranode", "bf16")]
+    host = [float(cell) for cell in rows[0][5:10]]
+    assert all(h > 0 for h in host) and abs(sum(host[:4]) - host[4]) < 0.2
+    assert rows[0][10:15] == ["-"] * 5  # no device time on a CPU
+    eager_json = json.loads(out.read_text())["rows"][0]["eager"]
+    assert len(eager_json["host_us"]) == 4 and eager_json["launches"] is None
+
+
+def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path) -> None:
+    """Decode batches run far below the buffers' capacity in a server: the capacity is its own flag."""
+    out = tmp_path / "bench.json"
+    common = [sys.executable, "-m", "mori_sglang.tools.bench", "--world", "2", "--mode", "low_latency", *SMALL]
+    text = _run([*common, "--tokens", "3", "5", "--max-tokens-per-rank", "16", "--json", str(out)], tmp_path)
+    assert "buffers sized for 16 tokens per rank" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({(r["tokens"], r["max_tokens_per_rank"]) for r in rows}) == [(3, 16), (5, 16)]
+    done = subprocess.run([*common, "--tokens", "32", "--max-tokens-per-rank", "16"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode != 0 and "--max-tokens-per-rank 16 is below the largest --tokens value 32" in done.stderr
+
+
+@pytest.mark.slow
+def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "dist.json"
+    text = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mori_sglang.tools.bench_dist",
+         "--provider", "torch", "--tokens", "6", "--mode", "intranode", "low_latency", "--json", str(out), *SMALL],
+        tmp_path,
+    )  # fmt: skip
+    rows = _table_rows(text)
+    assert [(r[1], r[5]) for r in rows] == [
+        ("intranode", "bf16"), ("intranode", "fp8_blockwise"), ("low_latency", "bf16"), ("low_latency", "fp8_blockwise")
+    ]  # fmt: skip
+    assert all(r[2] == "2" and float(r[6]) > 0 and float(r[7]) > 0 for r in rows)
+    assert json.loads(out.read_text())["world"] == 2
+
+
+def test_tuning_sweep_times_each_variant_beside_the_defaults(tmp_path: Path) -> None:
+    out = tmp_path / "tune.json"
+    text = _run(
+        [sys.executable, "-m", "mori_sglang.tools.tune", "--world", "2", "--tokens", "4", "--mode", "low_latency",
+         "--vary", "send_warps=2,4", "route_block=64+combine_recv_tile=512", "--json", str(out), *SMALL],
+        tmp_path,
+    )  # fmt: skip
+    rows = _table_rows(text)
+    variants = ["defaults", "send_warps=2", "send_warps=4", "route_block=64+combine_recv_tile=512"]
+    assert [r[0] for r in rows] == [v for v in variants for _ in ("bf16", "fp8_blockwise")]
+    assert all(float(cell.split(" ")[0]) > 0 for r in rows for cell in r[4:8])
+    data = json.loads(out.read_text())
+    assert [r["variant"] for r in data["rows"]][::2] == variants
+
+
+def test_tuning_sweep_names_the_fields_it_accepts(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mori_sglang.tools.tune", "--vary", "warp_count=2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "warp_count is not a KernelTuning field" in done.stderr and "send_warps" in done.stderr
