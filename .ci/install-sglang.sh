@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install stock SGLang 0.5.23 and mori-sglang into a virtual environment, enough to run the SGLang plugin
-# tests (tests/integrations/sglang) on a CPU-only machine.
+# tests (tests/integrations/sglang: the plugin, and SGLang's own MoE layer on its Triton runner in
+# Triton's interpreter) on a CPU-only machine.
 #
 #   .ci/install-sglang.sh VENV
 #
@@ -34,6 +35,7 @@ from importlib.metadata import entry_points
 
 import sglang.srt.arg_groups.moe_hook  # noqa: F401  launch-time resolution
 import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401  the MoE dispatcher factory
+import sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe  # noqa: F401  the Triton experts
 import sglang.srt.layers.moe.token_dispatcher.moriep  # noqa: F401
 import sglang.srt.plugins  # noqa: F401
 

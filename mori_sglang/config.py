@@ -63,7 +63,8 @@ DISPATCH_ENV_VALUES = {
     "fp4": DispatchDtype.MXFP4,
 }
 FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
-DEFAULT_COMBINE_BLOCK = 128
+DEFAULT_COMBINE_BLOCK = 128  # our blockwise fp8 format's block
+NATIVE_COMBINE_SCALES = 56  # native MoRI's scales per token (MORI_FP8_COMBINE_SCALE_DIM unset)
 
 
 def _enum_value(enum_cls: type[enum.Enum], value: object, knob: str) -> enum.Enum:
@@ -82,7 +83,8 @@ class EpConfig:
 
     ``scale_bytes`` is the opaque per-token scale row the sender attaches to each dispatched token;
     None means the natural row of ``dispatch_dtype`` (224 B at hidden 7168 for fp8 / mxfp8 / fp4,
-    none for bf16). ``combine_block`` is the blockwise-fp8 combine block in elements.
+    none for bf16). ``combine_block`` is the blockwise-fp8 combine block in elements (None:
+    the combine dtype's default, ``default_combine_block``; the last block may be short).
     ``peer_timeout_s``: how long a receive waits for a peer that never sends (SGLANG_MORI_PEER_TIMEOUT_S).
     """
 
@@ -98,7 +100,7 @@ class EpConfig:
     provider: Provider = Provider.AUTO
     scale_bytes: int | None = None
     fp8_dtype: torch.dtype | None = None
-    combine_block: int = DEFAULT_COMBINE_BLOCK
+    combine_block: int | None = None
     peer_timeout_s: float = env.DEFAULT_PEER_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -109,6 +111,8 @@ class EpConfig:
             ("provider", Provider),
         ):
             object.__setattr__(self, knob, _enum_value(enum_cls, getattr(self, knob), knob))
+        if self.combine_block is None:
+            object.__setattr__(self, "combine_block", default_combine_block(self.combine_dtype, self.hidden))
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -199,18 +203,25 @@ class EpConfig:
             "mode": mode,
             "provider": Provider(env.get_choice("SGLANG_MORI_BACKEND", environ)),
             "fp8_dtype": None if fp8_name == "auto" else FP8_TYPES[fp8_name],
-            "combine_block": combine_block_from_scale_dim(hidden, scale_dim),
             "peer_timeout_s": env.get_seconds("SGLANG_MORI_PEER_TIMEOUT_S", environ),
         }
+        if scale_dim is not None:
+            values["combine_block"] = combine_block_from_scale_dim(hidden, scale_dim)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
 
-def combine_block_from_scale_dim(hidden: int, scale_dim: int | None) -> int:
+def combine_block_from_scale_dim(hidden: int, scale_dim: int) -> int:
     """Native MoRI's rule: ``MORI_FP8_COMBINE_SCALE_DIM`` scales per token, block = ceil(hidden / dim)."""
-    if scale_dim is None:
-        return DEFAULT_COMBINE_BLOCK
     return math.ceil(hidden / scale_dim)
+
+
+def default_combine_block(combine_dtype: CombineDtype, hidden: int) -> int:
+    """The block of a blockwise combine where none is set: MoRI's own format follows MoRI's default
+    (56 scales per token: blocks of ceil(hidden / 56), 128 at hidden 7168); ours has blocks of 128."""
+    if combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE:
+        return combine_block_from_scale_dim(hidden, NATIVE_COMBINE_SCALES)
+    return DEFAULT_COMBINE_BLOCK
 
 
 def dtypes_from_env(

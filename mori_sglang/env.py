@@ -160,8 +160,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
         "",
-        "Scales per token of MoRI's blockwise fp8 combine; the block is ceil(hidden / value). On native MoRI "
-        "(which reads it itself) unset means 56; our providers' fp8_blockwise_native then uses blocks of 128.",
+        "Scales per token of the blockwise fp8 combine; the block is ceil(hidden / value), the last one short "
+        "where it does not divide hidden. Unset: MoRI's 56 for MoRI's format (fp8_blockwise_native, and "
+        "native MoRI, which reads it itself), blocks of 128 for ours (fp8).",
         kind="int",
     ),
 )

@@ -25,6 +25,7 @@ from mori_sglang.types import expert_id_error
 
 # Ranks of one host: wider groups take v1's inter-node kernels.
 GPUS_PER_NODE = 8
+V2_ROW_ALIGN = 16  # EP v2 moves token rows in 16 B pieces
 # The name MoRI's shmem bootstrap looks the process group up by (the one SGLang and vLLM register).
 SHMEM_GROUP_NAME = "mori"
 
@@ -73,12 +74,19 @@ def finalize_shmem() -> None:
 def uses_ep_v2(config: EpConfig) -> bool:
     """SGLang's choice (``SGLANG_MORI_EP_V2``, on unless 0) where EP v2 applies: the intranode mode
     (v2 has no split kernels) within one host, with a bf16 combine (v2's quantized combines are
-    another wire format than v1's, which is the one ``fp8_blockwise_native`` names)."""
+    another wire format than v1's, which is the one ``fp8_blockwise_native`` names), tokens whose
+    dispatch and combine rows are whole 16 B (v2 copies them in 16 B pieces), and no receive cap
+    below every rank's whole buffer (v2's hip backend drops no tokens)."""
+    token_bytes = formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden)
+    cap = env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0
     return (
         env.get_bool("SGLANG_MORI_EP_V2")
         and config.mode is Mode.INTRANODE
         and config.world_size <= GPUS_PER_NODE
         and config.combine_dtype is CombineDtype.BF16
+        and token_bytes % V2_ROW_ALIGN == 0
+        and (2 * config.hidden) % V2_ROW_ALIGN == 0
+        and (cap == 0 or cap >= config.max_recv_tokens)
     )
 
 

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, combine_block_from_scale_dim
+from mori_sglang.config import (
+    CombineDtype,
+    ConfigError,
+    DispatchDtype,
+    EpConfig,
+    combine_block_from_scale_dim,
+    default_combine_block,
+)
 from mori_sglang.formats import FormatError
 from tests.helpers import FP8_TYPES, fp8_error_bound, generator, make_tokens, needs_cuda
 
@@ -146,11 +153,23 @@ def test_fp4_combine_has_no_reference_format() -> None:
         formats.combine_row_bytes(CombineDtype.FP4_BLOCKWISE, 7168)
 
 
-@pytest.mark.parametrize(
-    ("hidden", "dim", "block"), [(7168, None, 128), (7168, 56, 128), (4096, 56, 74), (7168, 64, 112)]
-)
-def test_combine_block_from_scale_dim_is_ceil(hidden: int, dim: int | None, block: int) -> None:
+@pytest.mark.parametrize(("hidden", "dim", "block"), [(7168, 56, 128), (4096, 56, 74), (7168, 64, 112)])
+def test_combine_block_from_scale_dim_is_ceil(hidden: int, dim: int, block: int) -> None:
     assert combine_block_from_scale_dim(hidden, dim) == block
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hidden", "block"),
+    [
+        (CombineDtype.FP8_BLOCKWISE_NATIVE, 7168, 128),  # MoRI's 56 scales per token
+        (CombineDtype.FP8_BLOCKWISE_NATIVE, 4096, 74),
+        (CombineDtype.FP8_BLOCKWISE, 4096, 128),  # ours
+        (CombineDtype.BF16, 4096, 128),
+    ],
+)
+def test_default_combine_block(dtype: CombineDtype, hidden: int, block: int) -> None:
+    assert default_combine_block(dtype, hidden) == block
+    assert EpConfig(8, 0, hidden, 256, 8, combine_dtype=dtype).combine_block == block
 
 
 def test_fp8_flavours() -> None:

@@ -253,7 +253,7 @@ def test_torch_provider_matches_the_reference_or_names_the_error(case: Case) -> 
     _run(case)
 
 
-@settings(max_examples=200 if ON_GPU else 25, **COMMON)
+@settings(max_examples=25, **COMMON)
 @given(cases("triton"))
 def test_triton_provider_matches_the_reference_or_names_the_error(case: Case) -> None:
     _run(case)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from mori_sglang import formats
+from mori_sglang.config import CombineDtype, EpConfig
 from tests.helpers import generator
 from tests.providers import mori_transliteration as mt
 
@@ -144,3 +146,47 @@ def test_the_fused_multiply_add_rounds_once() -> None:
     fused = _numerics._fma_f32(torch.tensor([a]), torch.tensor([b]), torch.tensor([c]))
     assert float(fused[0]) == float(exact) == 1 + 2**-23
     assert float(np.float32(np.float32(a * b) + c)) == 1.0
+
+
+@pytest.mark.parametrize("hidden", [256, 4096, 7168])
+@pytest.mark.parametrize(("fp8", "fmt"), FORMATS)
+def test_our_fp8_blockwise_native_is_moris_format(fp8: torch.dtype, fmt: mt.Fp8Format, hidden: int, seed: int) -> None:
+    """At its default block (ceil(hidden / 56)) our reference of MoRI's format writes MoRI's fp8 values
+    and scales, also where the blocks do not divide hidden (MoRI's trailing empty blocks carry a 1.0)."""
+    gen = generator(seed, hidden)
+    y = (torch.randn(3, hidden, generator=gen) * torch.tensor([1.0, 100.0, 1e-3])[:, None]).to(torch.bfloat16)
+    block = EpConfig(8, 0, hidden, 256, 8, combine_dtype=CombineDtype.FP8_BLOCKWISE_NATIVE).combine_block
+    wire = formats.quantize_combine(y, CombineDtype.FP8_BLOCKWISE_NATIVE, fp8, block)
+    q, scales = _numerics.quantize_blockwise(y, fp8, _numerics.DEFAULT_SCALE_DIM)
+    ours = wire[:, hidden:].contiguous().view(torch.float32)
+    assert torch.equal(wire[:, :hidden], q.view(torch.uint8))
+    assert torch.equal(ours.view(torch.int32), scales[:, : ours.shape[1]].view(torch.int32))
+    assert (scales[:, ours.shape[1] :].abs() == 1.0).all()
+    back = formats.dequantize_combine(wire, CombineDtype.FP8_BLOCKWISE_NATIVE, hidden, fp8, block)
+    moris = _numerics.accumulate(torch.zeros(y.shape), q, scales, hidden)
+    assert torch.equal(back, moris)
+
+
+@pytest.mark.parametrize(("hidden", "scale_dim"), [(64, 8), (60, 8), (7168 // 16, 56)])
+def test_fp4_blockwise_combine_equals_the_transliteration(hidden: int, scale_dim: int, seed: int) -> None:
+    """MoRI's fp4 combine (gfx950): every block scaled to e2m1's 6, zero blocks, ties of e2m1's grid,
+    blocks far below 1 and above the fp8 range; finite values (its NaN handling is not modelled)."""
+    gen = generator(seed, hidden, scale_dim)
+    block = math.ceil(hidden / scale_dim)
+    rows = torch.randn(4, hidden, generator=gen) * torch.tensor([1.0, 1e3, 1e-6, 1.0])[:, None]
+    rows[0, :block] = 0.0  # a zero block
+    rows[3, :block] = torch.tensor([6.0, 0.25, 0.75, 1.25, 2.5, 3.5, 5.0, 3.0] * block)[:block]  # e2m1 ties
+    rows = rows.to(torch.bfloat16)
+    copies = [rows, rows.flip(0), (rows.float() * 0.5).to(torch.bfloat16)]
+    acc = torch.zeros(rows.shape)
+    for copy in copies:
+        values, scales = _numerics.quantize_fp4_blockwise(copy, scale_dim)
+        for r in range(rows.shape[0]):
+            want_values, want_scales = mt.quantize_fp4(_bf16_bits(copy[r]), scale_dim)
+            assert values[r].tolist() == want_values, r
+            assert scales[r].tolist() == [float(s) for s in want_scales], r
+        acc = _numerics.accumulate(acc, values, scales, hidden)
+    got = acc.to(torch.bfloat16)
+    for r in range(rows.shape[0]):
+        scalar = [mt.quantize_fp4(_bf16_bits(c[r]), scale_dim) for c in copies]
+        assert _bf16_bits(got[r]) == mt.accumulate(scalar, hidden, None), r

@@ -84,6 +84,8 @@ def test_v1_kernel_type_as_sglang_picks_it(
         (Mode.SPLIT, 8, CombineDtype.BF16, {}, False),  # AsyncLL's split combine
         (Mode.INTRANODE, 8, CombineDtype.FP8_BLOCKWISE, {}, False),  # v1's blockwise format
         (Mode.INTRANODE, 8, CombineDtype.FP8_DIRECT_CAST, {}, False),
+        (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "32768"}, True),
+        (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "8192"}, False),  # a cap
     ],
 )
 def test_ep_v2_where_sglang_takes_it_and_v1_elsewhere(
@@ -93,6 +95,19 @@ def test_ep_v2_where_sglang_takes_it_and_v1_elsewhere(
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert uses_ep_v2(EpConfig(world, 0, 7168, 256, 8, mode=mode, combine_dtype=combine)) is v2
+
+
+ROW_CASES = [
+    (DispatchDtype.FP8, 2880, True),
+    (DispatchDtype.FP8, 200, False),  # 200 B tokens
+    (DispatchDtype.MXFP4, 2880, True),
+    (DispatchDtype.BF16, 196, False),
+]
+
+
+@pytest.mark.parametrize(("dispatch", "hidden", "v2"), ROW_CASES)
+def test_ep_v2_only_for_rows_of_whole_16_byte_pieces(dispatch: DispatchDtype, hidden: int, v2: bool) -> None:
+    assert uses_ep_v2(EpConfig(8, 0, hidden, 256, 8, dispatch_dtype=dispatch)) is v2
 
 
 @pytest.mark.parametrize(
@@ -248,20 +263,27 @@ class Case:
     kernel: str  # which MoRI API and kernel the provider must pick
     ep_v2: bool = True  # SGLANG_MORI_EP_V2
     scale_dim: int | None = None  # MORI_FP8_COMBINE_SCALE_DIM
+    one_gpu_hosts: bool = False  # every rank a host of its own: the inter-node kernels
 
 
 CASES = (
     Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 256, "v2"),
     Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.BF16, 512, "v2"),
     Case(Mode.INTRANODE, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "v2"),
+    Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.BF16, 256, "v2"),
     Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.BF16, 256, "IntraNode", ep_v2=False),
+    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, 256, "InterNodeV1LL", one_gpu_hosts=True),
+    Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 512, "InterNodeV1", one_gpu_hosts=True),
     Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE, 256, "IntraNode"),  # 56 blocks of 5
     Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE_NATIVE, 7168, "IntraNode"),  # of 128
     Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.FP8_DIRECT_CAST, 256, "IntraNode"),
+    Case(Mode.INTRANODE, DispatchDtype.MXFP4, CombineDtype.FP4_BLOCKWISE, 256, "IntraNode"),  # gfx950 only
     Case(Mode.LOW_LATENCY, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, 256, "AsyncLL"),
     Case(Mode.LOW_LATENCY, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "AsyncLL"),
     Case(Mode.LOW_LATENCY, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE, 384, "AsyncLL", scale_dim=3),
     Case(Mode.SPLIT, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE_NATIVE, 256, "AsyncLL"),
+    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.BF16, 2880, "v2"),  # a partial last fp8 group
+    Case(Mode.LOW_LATENCY, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE, 2880, "AsyncLL"),  # blocks of 52
 )
 ARCHES = ("gfx942", "gfx950")
 
@@ -279,13 +301,16 @@ def _rows(out, n: int) -> list[tuple]:
 
 
 def _expected_mori_blockwise(
-    y: torch.Tensor, ids: torch.Tensor, num_local: int, fp8: torch.dtype, scale_dim: int
+    y: torch.Tensor, ids: torch.Tensor, num_local: int, fp8: torch.dtype, scale_dim: int, fp4: bool
 ) -> torch.Tensor:
     """MoRI's blockwise combine of expert outputs ``y`` (one row per source token, the same on every
     rank it went to): each distinct destination sends back MoRI's quantized row, added in order."""
     from mori import _numerics
 
-    q, scales = _numerics.quantize_blockwise(y, fp8, scale_dim)
+    if fp4:
+        q, scales = _numerics.quantize_fp4_blockwise(y, scale_dim)
+    else:
+        q, scales = _numerics.quantize_blockwise(y, fp8, scale_dim)
     acc = torch.zeros(y.shape)
     copies = torch.tensor([len({int(e) // num_local for e in row if e >= 0}) for row in ids.tolist()])
     for step in range(int(copies.max()) if copies.numel() else 0):
@@ -306,6 +331,12 @@ def _round_trip_worker(rank: int, world: int, seed: int, arch: str) -> None:
 
 
 def _case_env(case: Case) -> None:
+    from mori_sglang.providers import mori_provider, mori_v1
+
+    hosts = 1 if case.one_gpu_hosts else 8
+    mori_provider.GPUS_PER_NODE = mori_v1.GPUS_PER_NODE = hosts
+    threshold = MAX_TOKENS if case.kernel == "InterNodeV1LL" else MAX_TOKENS - 1
+    os.environ["SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD"] = str(threshold)
     os.environ["SGLANG_MORI_EP_V2"] = "1" if case.ep_v2 else "0"
     if case.scale_dim is None:
         os.environ.pop("MORI_FP8_COMBINE_SCALE_DIM", None)
@@ -331,6 +362,10 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
         combine_dtype=case.combine,
         fp8_dtype=fp8,
     )
+    if case.combine is CombineDtype.FP4_BLOCKWISE and arch != "gfx950":
+        with pytest.raises(ValueError, match="requires a gfx950 GPU"):  # MoRI's own check
+            EpDispatchCombineOp(replace(cfg, provider="mori"), device="cpu")
+        return
     reference_combine = CombineDtype.BF16 if case.combine is not CombineDtype.FP8_DIRECT_CAST else case.combine
     ops = {
         "torch": EpDispatchCombineOp(replace(cfg, provider="torch", combine_dtype=reference_combine), device="cpu"),
@@ -341,6 +376,7 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
     assert isinstance(provider.op, api) and provider.kernel == case.kernel, (case, provider.kernel)
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
+    first_tokens = None
     for step in range(2):  # the second step overwrites the first's buffers
         n = (MAX_TOKENS, 2, 0)[(rank + step) % 3]
         x = (torch.randn(n, case.hidden, generator=gen) * 3).to(torch.bfloat16)
@@ -358,6 +394,9 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
                 scales = scales[:received]
             y = formats.dequantize_dispatch(out.tokens[:received], scales, case.dispatch, case.hidden) * 1.5
             rows = _rows(out, received)
+            if name == "mori":  # MoRI hands out its own buffers again: the same memory every step
+                first_tokens = out.tokens.data_ptr() if first_tokens is None else first_tokens
+                assert out.tokens.data_ptr() == first_tokens
             op.combine_send(y.to(torch.bfloat16), out.handle)
             results[name] = (rows, op.combine_recv().clone())
         assert results["mori"][0] == results["torch"][0], f"{case} step {step}: received rows differ"
@@ -371,17 +410,17 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
             )
             y_src = (y_src * 1.5).to(torch.bfloat16)
             dim = case.scale_dim or _numerics.DEFAULT_SCALE_DIM
-            want = _expected_mori_blockwise(y_src, ids, EXPERTS // world, fp8, dim)
+            fp4 = case.combine is CombineDtype.FP4_BLOCKWISE
+            want = _expected_mori_blockwise(y_src, ids, EXPERTS // world, fp8, dim, fp4)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{case} step {step}: combine differs"
     split = ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
-    expected_calls = {"v2": ["dispatch", "combine"], "IntraNode": ["dispatch", "combine"], "AsyncLL": split}
-    assert provider.op.calls == expected_calls[case.kernel] * 2
+    assert provider.op.calls == (split if case.kernel == "AsyncLL" else ["dispatch", "combine"]) * 2
 
 
 def _ids_past_the_last_expert(rank: int, world: int) -> None:
     """On a GPU the op leaves ids to the provider: ids past the last expert reach no rank (AsyncLL's
     receiver would assert on them), -1 reaches none either, and the step raises."""
-    os.environ["SGLANG_MORI_EP_V2"] = "1"
+    _case_env(Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 256, "v2"))
     local = EXPERTS // world
     for mode in (Mode.LOW_LATENCY, Mode.INTRANODE):
         cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=mode, provider="mori")

@@ -15,14 +15,14 @@ from mori_sglang import roundtrip
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--world", "2", "--tokens", "3", "--hidden", "256", "--experts", "16", "--topk", "4", "--device", "cpu"]
 # At hidden 256: bf16 512 B; fp8 / mxfp8 256 B + a 128 B scale stride; fp4 128 B + 128 B; blockwise combine
-# 256 B + 2 f32 scales.
+# 256 B + 2 f32 scales (ours, blocks of 128) or 52 (MoRI's, blocks of ceil(256 / 56) = 5).
 ROWS = [
     ("bf16", "bf16", 512, 512),
     ("fp8", "bf16", 384, 512),
     ("mxfp8", "bf16", 384, 512),
     ("fp4", "bf16", 256, 512),
     ("bf16", "fp8", 512, 264),
-    ("bf16", "fp8_blockwise_native", 512, 264),
+    ("bf16", "fp8_blockwise_native", 512, 464),
     ("bf16", "fp8_direct_cast", 512, 256),
 ]
 

@@ -12,6 +12,12 @@ returned rows without weighting.
 Dtypes, buffer capacity, split combine and the provider come from the ``SGLANG_MORI_*`` variables
 through ``EpConfig.from_env``; ``set_quant_config`` lets the MoE weight dtype pick the dispatch and
 combine dtypes as upstream does.
+
+As upstream, ``SGLANG_MORI_RECV_BOUND=1`` (without two-batch overlap) sets the output's ``recv_cap`` to
+a host bound on the received rows from the batch sizes SGLang already knows, so the expert side sorts
+and multiplies no more rows than can have arrived; and while SGLang records the expert distribution
+(``--enable-eplb``, ``--expert-distribution-recorder-mode``) each dispatch reports this rank's
+per-expert counts, computed on the device, to its recorder.
 """
 
 from __future__ import annotations
@@ -24,16 +30,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sglang.srt.layers.dp_attention import get_is_extend_in_batch
+from sglang.srt.environ import envs
+from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+from sglang.srt.layers.dp_attention import get_dp_global_num_tokens, get_is_extend_in_batch
 from sglang.srt.layers.moe.token_dispatcher.base import BaseDispatcher, CombineInput
 from sglang.srt.layers.moe.token_dispatcher.moriep import (
     MoriEPLLDispatchOutput,
     MoriEPNormalDispatchOutput,
     MoriEPPDispatchHooks,
+    mori_recv_bound,
+    round_logical_recv_rows,
 )
-from sglang.srt.layers.moe.utils import DeepEPMode
+from sglang.srt.layers.moe.utils import DeepEPMode, is_tbo_enabled
+from sglang.srt.runtime_context import get_exec
 
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
+from mori_sglang.integrations.sglang.expert_input import local_expert_counts, local_expert_ids
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import CombineHandle, DispatchOutput
 
@@ -73,6 +86,7 @@ class _InFlight:
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
     out_dtype: torch.dtype
+    sender_rows: tuple[int, ...] | None = None
     handle: CombineHandle | None = None
 
 
@@ -179,6 +193,8 @@ class MoriSglangDispatcher(BaseDispatcher):
         self._stage = _Stage.INITIAL
         self._flight: _InFlight | None = None
         self._deepep_dispatch_hooks = MoriEPPDispatchHooks()
+        # Upstream's rule: the bound comes from per-batch sizes that two-batch overlap splits.
+        self._bound_recv = envs.SGLANG_MORI_RECV_BOUND.get() and not is_tbo_enabled()
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -257,7 +273,8 @@ class MoriSglangDispatcher(BaseDispatcher):
         ids = topk_output.topk_ids.to(torch.int32)
         op.dispatch_send(hidden_states, weights, None, ids)
         self._num_tokens = hidden_states.shape[0]
-        self._flight = _InFlight(mode, op, weights, ids, hidden_states.dtype)
+        sender_rows = _sender_rows() if self._bound_recv else None
+        self._flight = _InFlight(mode, op, weights, ids, hidden_states.dtype, sender_rows)
         self._stage = _Stage.AFTER_DISPATCH_A
 
     def dispatch_b(self) -> MoriEPNormalDispatchOutput | MoriEPLLDispatchOutput:
@@ -267,7 +284,32 @@ class MoriSglangDispatcher(BaseDispatcher):
         out = flight.op.dispatch_recv()
         flight.handle = out.handle
         self._stage = _Stage.AFTER_DISPATCH_B
-        return _sglang_output(out, flight)
+        if _recording_expert_distribution():
+            self._record_expert_counts(out)
+        return _sglang_output(out, flight, self._recv_cap(flight, out.tokens.shape[0]))
+
+    def _recv_cap(self, flight: _InFlight, capacity: int) -> int:
+        """Upstream's logical receive cap: a bound on the received rows (0: offer the whole buffer).
+
+        Every received row is one source token (a token sends one row to each destination rank), so
+        the tokens of all senders bound it; SGLang's ``mori_recv_bound`` proves that sum from its batch
+        metadata, or returns 0 where it cannot."""
+        if not self._bound_recv:
+            return 0
+        bound = mori_recv_bound(flight.topk_ids.shape[0], flight.sender_rows)
+        if bound <= 0:
+            return 0
+        cap = round_logical_recv_rows(bound, pow2_buckets=False)
+        return cap if cap < capacity else 0
+
+    def _record_expert_counts(self, out: DispatchOutput) -> None:
+        """This rank's received (token, expert) pairs per local expert, to SGLang's recorder."""
+        first = self.rank * self.num_local_experts
+        ids = local_expert_ids(out.topk_ids, out.num_recv, first, self.num_local_experts)
+        counts = local_expert_counts(ids, self.num_local_experts)
+        # The recorder counts routed experts only: drop a fused shared expert's slot after them.
+        routed = get_global_expert_location_metadata().num_local_physical_experts
+        get_global_expert_distribution_recorder().on_deepep_dispatch_low_latency(counts[:routed])
 
     # -- combine --------------------------------------------------------------------------------
 
@@ -299,7 +341,27 @@ class MoriSglangDispatcher(BaseDispatcher):
         return self._deepep_dispatch_hooks.register_hook(hook)
 
 
-def _sglang_output(out: DispatchOutput, flight: _InFlight) -> MoriEPNormalDispatchOutput | MoriEPLLDispatchOutput:
+def _recording_expert_distribution() -> bool:
+    """Upstream's rule: count while the recorder records; under CUDA graph capture, count wherever a
+    recorder is configured, so that a replay counts once recording starts."""
+    if get_global_expert_distribution_recorder().recording:
+        return True
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return capturing and get_exec().moe.expert_distribution_recorder_mode is not None
+
+
+def _sender_rows() -> tuple[int, ...] | None:
+    """Tokens per attention-DP rank of this batch, where SGLang holds them as host ints (upstream's
+    snapshot: anything else would need a device sync)."""
+    rows = get_dp_global_num_tokens()
+    if not isinstance(rows, list | tuple) or not all(isinstance(r, int) for r in rows):
+        return None
+    return tuple(rows)
+
+
+def _sglang_output(
+    out: DispatchOutput, flight: _InFlight, recv_cap: int
+) -> MoriEPNormalDispatchOutput | MoriEPLLDispatchOutput:
     """The op's receive buffers in the dtypes and shapes SGLang's runners read."""
     dispatch_dtype = flight.op.config.dispatch_dtype
     tokens = out.tokens
@@ -317,4 +379,5 @@ def _sglang_output(out: DispatchOutput, flight: _InFlight) -> MoriEPNormalDispat
         origin_topk_ids=flight.topk_ids,
         origin_topk_weights=flight.topk_weights,
         out_dtype=flight.out_dtype,
+        recv_cap=recv_cap,
     )

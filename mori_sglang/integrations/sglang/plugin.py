@@ -2,15 +2,19 @@
 
 SGLang's ``load_plugins()`` runs every entry point of the group ``sglang.srt.plugins`` (restricted by
 ``SGLANG_PLUGINS`` where set) early in the launcher and in every worker, then applies the hooks
-registered with its ``HookRegistry``. ``register`` adds two:
+registered with its ``HookRegistry``. ``register`` adds:
 
 - a class replacement of ``moriep.MoriEPDispatcher`` by ``MoriSglangDispatcher``; the registry also
   rebinds the modules that imported the class by name (the dispatcher package, two-batch overlap), so
   SGLang's own factory builds ours;
+- a wrapper around ``ep_moe.layer.get_moe_impl_class``: where SGLang's AITER runner does not run the
+  experts (NVIDIA), mori layers are built as ``FusedMoE``, whose quant methods run the Triton runner,
+  instead of ``DeepEPMoE``, which reads DeepEP's layouts (upstream does the same for MoRI EPv2);
+- the fused function of (mori, triton) in SGLang's ``FusedOpPool`` (``triton_experts``);
 - a wrapper around the ``handle_a2a_moe`` resolution step: SGLang's checks run first (the chunked
   prefill size against ``SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK`` among them), then, when the
-  backend is mori, every variable we read is parsed, so a bad value stops the launch with its name
-  instead of failing later in a worker.
+  backend is mori, every variable we read is parsed and the MoE runner backend is checked, so a bad
+  value stops the launch with its name instead of failing later in a worker.
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ from typing import Any
 from mori_sglang import env
 
 DISPATCHER_TARGET = "sglang.srt.layers.moe.token_dispatcher.moriep.MoriEPDispatcher"
+MOE_CLASS_TARGET = "sglang.srt.layers.moe.ep_moe.layer.get_moe_impl_class"
 A2A_RESOLUTION_STEP = "handle_a2a_moe"
+# The --moe-runner-backend values whose experts consume our dispatch outputs where AITER does not run
+# them: auto resolves to triton for mori layers (deep_gemm only for the DeepEP-family backends).
+TRITON_RUNNER_BACKENDS = ("auto", "triton")
 
 _READERS: dict[str, Callable[[str, Mapping[str, str] | None], object]] = {
     "bool": env.get_bool,
     "int": env.get_int,
     "choice": env.get_choice,
+    "seconds": env.get_seconds,
 }
 
 
@@ -35,10 +44,31 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from mori_sglang.integrations.sglang import triton_experts
     from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher
 
     HookRegistry.register(DISPATCHER_TARGET, MoriSglangDispatcher, HookType.REPLACE)
+    HookRegistry.register(MOE_CLASS_TARGET, moe_impl_class, HookType.AROUND)
+    triton_experts.register()
     register_resolution_hook(A2A_RESOLUTION_STEP)(check_env_at_launch)
+
+
+def aiter_runs_experts() -> bool:
+    """Whether SGLang runs MoE experts with AITER (ROCm with ``SGLANG_USE_AITER``): its runner reads
+    MoRI's outputs in ``DeepEPMoE``; everywhere else our Triton fused function does, in ``FusedMoE``."""
+    from sglang.srt.utils import get_bool_env_var, is_hip
+
+    return is_hip() and get_bool_env_var("SGLANG_USE_AITER")
+
+
+def moe_impl_class(original: Callable[[Any], type], quant_config: Any) -> type:
+    """``get_moe_impl_class`` wrapper: ``FusedMoE`` for mori layers unless AITER runs the experts."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    if get_moe_a2a_backend().is_mori() and not aiter_runs_experts():
+        return FusedMoE
+    return original(quant_config)
 
 
 def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> None:
@@ -46,8 +76,21 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
     from sglang.srt.arg_groups.overrides import resolved_view
 
     previous(server_args)
-    if resolved_view(server_args).moe_a2a_backend == "mori":
+    view = resolved_view(server_args)
+    if view.moe_a2a_backend == "mori":
         check_mori_env()
+        if not aiter_runs_experts():
+            check_runner_backend(view.moe_runner_backend)
+
+
+def check_runner_backend(runner_backend: str) -> None:
+    """Only the Triton runner consumes our dispatch outputs where AITER does not run the experts."""
+    if runner_backend not in TRITON_RUNNER_BACKENDS:
+        accepted = " or ".join(TRITON_RUNNER_BACKENDS)
+        raise ValueError(
+            f"--moe-runner-backend {runner_backend} cannot run the experts of --moe-a2a-backend mori "
+            f"on this platform; use --moe-runner-backend {accepted}"
+        )
 
 
 def check_mori_env(environ: Mapping[str, str] | None = None) -> None:

@@ -46,7 +46,7 @@ from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins
 from sglang.srt.runtime_context import get_flags, get_forward, get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from mori_sglang import formats  # noqa: E402
+from mori_sglang import env, formats  # noqa: E402
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode  # noqa: E402
 from mori_sglang.env import EnvError  # noqa: E402
 from mori_sglang.integrations.sglang import plugin  # noqa: E402
@@ -295,6 +295,17 @@ def test_bad_env_value_fails_at_construction_naming_the_variable(
         plugin.check_mori_env()
 
 
+BAD_VALUE_OF_KIND = {"bool": "maybe", "int": "4k", "choice": "nonsense", "seconds": "soon"}
+
+
+@pytest.mark.parametrize("var", env.ENV_VARS, ids=lambda v: v.name)
+def test_launch_check_parses_every_variable(clean_env: pytest.MonkeyPatch, var) -> None:
+    """Every variable mori-sglang reads, of every kind, is parsed at launch."""
+    clean_env.setenv(var.name, BAD_VALUE_OF_KIND[var.kind])
+    with pytest.raises(EnvError, match=var.name):
+        plugin.check_mori_env()
+
+
 def test_combine_dtype_no_provider_here_offers_is_refused_when_the_op_is_built(
     tp: GroupCoordinator, clean_env: pytest.MonkeyPatch
 ) -> None:
@@ -331,13 +342,14 @@ def restored_environ() -> Iterator[None]:
     os.environ.update(saved)
 
 
-def resolve(model: str, backend: str, chunked_prefill_size: int = 2048) -> ServerArgs:
+def resolve(model: str, backend: str, chunked_prefill_size: int = 2048, runner: str = "auto") -> ServerArgs:
     args = ServerArgs(
         model_path=model,
         skip_tokenizer_init=True,
         device="cpu",
         tp_size=2,
         moe_a2a_backend=backend,
+        moe_runner_backend=runner,
         chunked_prefill_size=chunked_prefill_size,
     )
     args.resolve_once()
@@ -371,6 +383,71 @@ def test_launch_rejects_a_bad_variable_only_for_the_mori_backend(
             resolve(tiny_moe_model, backend)
     else:
         resolve(tiny_moe_model, backend)
+
+
+@pytest.mark.parametrize(
+    ("runner", "ok"), [("auto", True), ("triton", True), ("deep_gemm", False), ("flashinfer_cutlass", False)]
+)
+def test_launch_accepts_only_runners_that_consume_mori_outputs(
+    plugins_loaded: None, tiny_moe_model: str, restored_environ: None, clean_env: pytest.MonkeyPatch, runner, ok
+) -> None:
+    """Where AITER does not run the experts (NVIDIA, and this CPU), only the Triton runner reads our
+    outputs: any other --moe-runner-backend stops the launch with one sentence naming the flag."""
+    if ok:
+        resolve(tiny_moe_model, "mori", runner=runner)
+        return
+    with pytest.raises(
+        ValueError, match=rf"^--moe-runner-backend {runner} cannot .* use --moe-runner-backend auto or triton$"
+    ):
+        resolve(tiny_moe_model, "mori", runner=runner)
+
+
+def test_other_a2a_backends_keep_their_runner_choice(
+    plugins_loaded: None, tiny_moe_model: str, restored_environ: None, clean_env: pytest.MonkeyPatch
+) -> None:
+    resolve(tiny_moe_model, "none", runner="deep_gemm")
+
+
+def test_aiter_platforms_keep_their_runner_choice(
+    plugins_loaded: None, tiny_moe_model: str, restored_environ: None, clean_env: pytest.MonkeyPatch
+) -> None:
+    clean_env.setattr(plugin, "aiter_runs_experts", lambda: True)
+    resolve(tiny_moe_model, "mori", runner="deep_gemm")
+
+
+@pytest.mark.parametrize(
+    ("a2a", "aiter", "expected"),
+    [
+        (MoeA2ABackend.MORI, False, "FusedMoE"),
+        (MoeA2ABackend.MORI, True, "DeepEPMoE"),
+        (MoeA2ABackend.DEEPEP, False, "DeepEPMoE"),
+        (MoeA2ABackend.NONE, False, "FusedMoE"),
+    ],
+)
+def test_mori_layers_are_built_as_fused_moe_unless_aiter_runs_them(
+    plugins_loaded: None, monkeypatch: pytest.MonkeyPatch, a2a: MoeA2ABackend, aiter: bool, expected: str
+) -> None:
+    """SGLang's own ``get_moe_impl_class``, as a model module imported after the plugins sees it.
+    Launch resolution turns MoRI EPv2 off for every model but DeepSeek-V4 (EPv2 layers are always
+    ``FusedMoE``)."""
+    from sglang.srt.layers.moe.ep_moe import layer as ep_moe_layer
+    from sglang.srt.models import qwen2_moe
+
+    monkeypatch.setenv("SGLANG_MORI_EP_V2", "false")
+    monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: aiter)
+    with get_flags().moe.override(a2a_backend=a2a):
+        assert ep_moe_layer.get_moe_impl_class(None).__name__ == expected
+        assert qwen2_moe.get_moe_impl_class(None).__name__ == expected
+
+
+def test_fused_function_is_registered_for_mori_and_triton(plugins_loaded: None) -> None:
+    from sglang.srt.layers.moe.moe_runner.base import FusedOpPool
+
+    from mori_sglang.integrations.sglang import triton_experts
+
+    assert FusedOpPool.get_fused_func("mori", "triton") is triton_experts.mori_to_triton
+    triton_experts.register()  # a second registration in the same process is harmless
+    assert FusedOpPool.get_fused_func("mori", "triton") is triton_experts.mori_to_triton
 
 
 # ---------------------------------------------------------------------------------------------
