@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ from mori_sglang.tools.measure import (
     time_eager,
     time_phases,
 )
-from mori_sglang.tools.workload import add_workload_args, speedup_cells, workload_configs
+from mori_sglang.tools.workload import add_workload_args, report_progress, speedup_cells, workload_configs
 
 if TYPE_CHECKING:
     from mori_sglang.providers.triton_provider import KernelTuning
@@ -310,7 +311,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     bw = copy_bandwidth(device)
     rows: list[Row] = []
     baseline: dict[tuple, Row] = {}
-    for cfg, tokens in points:
+    for done, (cfg, tokens) in enumerate(points, 1):
+        start = time.perf_counter()
         row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw, eager=args.eager)
         rows.append(row)
         if not args.no_baseline and provider is not Provider.TORCH:
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw, eager=args.eager)
             baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
             rows.append(base)
+        report_progress(done, len(points), cfg, tokens, time.perf_counter() - start)
     if args.max_tokens_per_rank:
         print(f"buffers sized for {args.max_tokens_per_rank} tokens per rank")
     print(markdown(rows, baseline, bw))

@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 
 from mori_sglang import cli
 from mori_sglang.config import Provider
 from mori_sglang.providers.triton_provider import KernelTuning
 from mori_sglang.tools.bench import Row, bench_one
 from mori_sglang.tools.measure import PHASES, copy_bandwidth
-from mori_sglang.tools.workload import add_workload_args, workload_configs
+from mori_sglang.tools.workload import add_workload_args, report_progress, workload_configs
 
 
 def parse_variants(specs: list[str]) -> list[tuple[str, dict[str, int]]]:
@@ -76,8 +77,11 @@ def main(argv: list[str] | None = None) -> list[tuple[str, Row]]:
     for name, changes in variants:
         tuning = dataclasses.replace(KernelTuning(), **changes)
         for cfg, tokens in points:
+            start = time.perf_counter()
             row, _ = bench_one(cfg, tokens, device, args.iters, device.type == "cuda", bw, tuning)
             results.append((name, row))
+            elapsed = time.perf_counter() - start
+            report_progress(len(results), len(variants) * len(points), cfg, tokens, elapsed, f"{name}: ")
     print(f"copy roofline (read+write): {bw:.0f} GB/s\n")
     print(markdown(results))
     if args.json:

@@ -4,6 +4,7 @@ and the comparison cells against the torch baseline."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Protocol
 
 from mori_sglang import cli
@@ -79,3 +80,10 @@ def speedup_cells(row: PhaseTimes, base: PhaseTimes | None) -> tuple[str, str]:
     if base is None:
         return "-", "-"
     return f"{base.dispatch_us / row.dispatch_us:.1f}", f"{base.combine_us / row.combine_us:.1f}"
+
+
+def report_progress(done: int, total: int, config: EpConfig, tokens: int, seconds: float, label: str = "") -> None:
+    """One line on stderr per measured point, so that a long sweep (minutes in the interpreter) shows
+    where it is without touching the table on stdout."""
+    point = f"{config.mode.value}, {tokens} tokens, combine {cli.combine_name(config.combine_dtype)}"
+    print(f"[{done}/{total}] {label}{point}: {seconds:.1f} s", file=sys.stderr, flush=True)

@@ -53,6 +53,7 @@ USAGE_ERRORS = [
     (GSM8K, ["--parallel", "0"], "argument --parallel: 0 is below 1"),
     (AB, ["--launch", "true", "--port", "0"], "argument --port: 0 is below 1"),
     (AB, ["--launch", "true", "--combine-dtypes", "fp4"], "argument --combine-dtypes: 'fp4': use a comma list"),
+    (AB, ["--launch", "serve --gpus {gpus}"], "--launch: unknown placeholder 'gpus' in the launch command"),
     (LAYER, ["--world-size", "0"], "argument --world/--world-size: 0 is below 1"),
     (LAYER, ["--modes", "fp4"], "argument --modes: 'fp4' is not a mode"),
     (LAYER, ["--topk", "300", "--device", "cpu"], "topk=300 must be in [1, num_experts=256]"),
