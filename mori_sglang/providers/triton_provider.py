@@ -23,10 +23,17 @@ import triton.language as tl
 
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
-from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import interpreter, transport
 from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.providers.arena import Arena, ArenaLayout
+from mori_sglang.providers.base import (
+    ALL_DISPATCH,
+    ALL_MODES,
+    OUR_COMBINE_FORMATS,
+    Capabilities,
+    EpProvider,
+    ProviderSetup,
+)
 from mori_sglang.providers.device_status import MappedStatus
 from mori_sglang.types import (
     CombineHandle,
@@ -145,26 +152,36 @@ def clock_kind(device: torch.device) -> int:
     return transport.CLOCK_HIP if torch.version.hip else transport.CLOCK_CUDA
 
 
-class TritonProvider:
+@dataclass
+class SlotHandle(CombineHandle):
+    """The Triton provider's routing record: views of the op's buffers, valid until the next dispatch.
+
+    ``slot_of_pair[n, k]``: the fixed slot the copy of token n for top-k slot k went to (-1: none);
+    ``recv_counts``: the rows received from each source.
+    """
+
+    slot_of_pair: torch.Tensor
+    recv_counts: torch.Tensor
+
+
+class TritonProvider(EpProvider):
     """Expert ids are range-checked by the routing kernel, on the device: no host sync per dispatch."""
 
     name = "triton"
-    fused_quantization = frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4})
-    checks_ids_on_device = True
-    keeps_old_handles = False  # handles point at the op's buffers, which the next dispatch reuses
+    display_name = "triton"
+    capabilities = Capabilities(
+        dispatch_formats=ALL_DISPATCH,
+        combine_formats=OUR_COMBINE_FORMATS,
+        fused_quantization=frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4}),
+        id_checks_on_device=frozenset({"cuda", "cpu"}),  # the routing kernel, compiled or interpreted
+        modes=ALL_MODES,
+        loopback=True,
+        keeps_old_handles=False,  # handles point at the op's buffers, which the next dispatch reuses
+    )
 
-    def __init__(
-        self,
-        config: EpConfig,
-        device: torch.device,
-        fp8_dtype: torch.dtype,
-        layout: formats.DispatchRowLayout,
-        *,
-        group: dist.ProcessGroup | None = None,
-        loopback: LoopbackHub | None = None,
-        programs: int | None = None,
-        tuning: KernelTuning | None = None,
-    ) -> None:
+    def __init__(self, setup: ProviderSetup) -> None:
+        config, device, fp8_dtype, layout = setup.config, setup.device, setup.fp8_dtype, setup.layout
+        group, loopback = setup.group, setup.loopback
         if device.type == "cpu":
             if not interpreter.interpreting():
                 raise ConfigError(
@@ -178,8 +195,7 @@ class TritonProvider:
         self.fp8_dtype = fp8_dtype
         self.peer_timeout_s = config.peer_timeout_s
         self._clock = clock_kind(device)
-        self._tuning = tuning or KernelTuning()
-        self._programs = programs
+        self._tuning = KernelTuning()
         self._sms = multiprocessors(device)
         # Every launch takes these: the kernels' PDL switch and the launch option go together (transport docs).
         self._pdl_launch = {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
@@ -220,7 +236,7 @@ class TritonProvider:
         self._row_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
         self.combined_out = torch.empty(config.max_tokens_per_rank, config.hidden, dtype=torch.bfloat16, device=device)
         self._sent: int | None = None  # the batch size of the dispatch sent and not yet received
-        self._combine_handle: CombineHandle | None = None
+        self._combine_handle: SlotHandle | None = None
         self.fp8_name = TRITON_FP8[fp8_dtype]
         self._launches: dict[tuple, object] = {}  # bound launches and views, by what they depend on
 
@@ -257,9 +273,7 @@ class TritonProvider:
     # -- bookkeeping --------------------------------------------------------------------------
 
     def _program_count(self, per_sm: int) -> int:
-        """Programs of a kernel: ``per_sm`` per multiprocessor, unless fixed at construction."""
-        if self._programs:
-            return self._programs
+        """Programs of a kernel: ``per_sm`` per multiprocessor (a fixed count in the interpreter)."""
         return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
 
     def _grid(self, per_sm: int, items: int) -> tuple[int]:
@@ -448,14 +462,11 @@ class TritonProvider:
         recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         slots = self._cached(("slot_of_pair", num_tokens), self._slot_of_pair.narrow, 0, 0, num_tokens)
-        handle = CombineHandle(
+        handle = SlotHandle(
             num_tokens=num_tokens,
-            copy_of_pair=slots,
-            slot_of_pair=slots,
-            recv_src=None,
-            recv_pos=None,
-            recv_counts=self.recv_counts,
             num_recv=self.num_recv,
+            slot_of_pair=slots,
+            recv_counts=self.recv_counts,
         )
         tokens, scales = self._cached(("dispatch_out", token_dtype), self._dispatch_views, layout, token_dtype)
         return DispatchOutput(
@@ -528,6 +539,7 @@ class TritonProvider:
         }
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        assert isinstance(handle, SlotHandle)  # the op passes back only this provider's handles
         self._ensure_peers()
         send = self._cached(("combine_send",), self._combine_send_launch)
         rows = y.shape[0]
