@@ -50,7 +50,10 @@ from sglang.srt.eplb.expert_location import (  # noqa: E402
     set_global_expert_location_metadata,
 )
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo  # noqa: E402
 from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe, override_config  # noqa: E402
+from sglang.srt.layers.moe.token_dispatcher.moriep import MoriEPNormalDispatchOutput  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput, TopK  # noqa: E402
 from sglang.srt.layers.moe.utils import DeepEPMode, MoeA2ABackend  # noqa: E402
 from sglang.srt.layers.quantization.fp8 import Fp8Config  # noqa: E402
@@ -516,3 +519,30 @@ def test_cpu_alignment_stand_in_matches_the_documented_example() -> None:
     sorted_ids, expert_ids, padded = moe_align_block_size_reference(ids, 4, 4)
     assert sorted_ids.tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 12, 12, 2, 5, 8, 12, 11, 12, 12, 12]
     assert expert_ids.tolist() == [0, 1, 2, 3, -1] and padded.tolist() == [20]
+
+
+@pytest.mark.parametrize(
+    ("quant", "config", "message"),
+    [
+        ({"use_mxfp8": True}, {}, "cannot run MXFP8 experts"),
+        ({}, {"no_combine": True}, "no_combine MoE layers are not supported with --moe-a2a-backend mori"),
+    ],
+)
+def test_experts_the_triton_path_cannot_run_are_refused_by_name(quant: dict, config: dict, message: str) -> None:
+    rows = 4
+    output = MoriEPNormalDispatchOutput(
+        hidden_states=torch.zeros(rows, HIDDEN, dtype=torch.bfloat16),
+        hidden_states_scale=None,
+        topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
+        topk_weights=torch.ones(rows, TOPK),
+        num_recv_tokens_per_expert=torch.tensor([rows], dtype=torch.int32),
+        origin_topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
+        origin_topk_weights=torch.ones(rows, TOPK),
+        out_dtype=torch.bfloat16,
+    )
+    weights = TritonMoeQuantInfo(
+        w13_weight=torch.zeros(2, 2 * INTERMEDIATE, HIDDEN), w2_weight=torch.zeros(2, HIDDEN, INTERMEDIATE), **quant
+    )
+    runner_config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=2, hidden_size=HIDDEN, **config)
+    with pytest.raises(NotImplementedError, match=message):
+        triton_experts.mori_to_triton(output, weights, runner_config)
