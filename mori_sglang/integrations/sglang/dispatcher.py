@@ -13,11 +13,11 @@ Dtypes, buffer capacity, split combine and the provider come from the ``SGLANG_M
 through ``EpConfig.from_env``; ``set_quant_config`` lets the MoE weight dtype pick the dispatch and
 combine dtypes as upstream does.
 
-As upstream, ``SGLANG_MORI_RECV_BOUND=1`` (without two-batch overlap) sets the output's ``recv_cap`` to
-a host bound on the received rows from the batch sizes SGLang already knows, so the expert side sorts
-and multiplies no more rows than can have arrived; and while SGLang records the expert distribution
-(``--enable-eplb``, ``--expert-distribution-recorder-mode``) each dispatch reports this rank's
-per-expert counts, computed on the device, to its recorder.
+Unless ``SGLANG_MORI_RECV_BOUND=0`` (and never under two-batch overlap, as upstream), the output's
+``recv_cap`` is upstream's host bound on the received rows, from the batch sizes SGLang already knows,
+so the expert side sorts and multiplies no more rows than can have arrived; and while SGLang records
+the expert distribution (``--enable-eplb``, ``--expert-distribution-recorder-mode``) each dispatch
+reports this rank's per-expert counts, computed on the device, to its recorder.
 """
 
 from __future__ import annotations
@@ -193,8 +193,11 @@ class MoriSglangDispatcher(BaseDispatcher):
         self._stage = _Stage.INITIAL
         self._flight: _InFlight | None = None
         self._deepep_dispatch_hooks = MoriEPPDispatchHooks()
-        # Upstream's rule: the bound comes from per-batch sizes that two-batch overlap splits.
-        self._bound_recv = envs.SGLANG_MORI_RECV_BOUND.get() and not is_tbo_enabled()
+        # On unless SGLANG_MORI_RECV_BOUND=0 (upstream's default is off: AITER keeps its own view of the
+        # buffer, while the Triton experts' work grows with the rows they are handed). Never under
+        # two-batch overlap, as upstream: the bound comes from per-batch sizes that it splits.
+        bound = envs.SGLANG_MORI_RECV_BOUND
+        self._bound_recv = (bound.get() if bound.is_set() else True) and not is_tbo_enabled()
 
     # -- configuration --------------------------------------------------------------------------
 
