@@ -6,7 +6,9 @@
 # environment cannot silently change a run, and it prints (--dry-run) or runs exactly one command.
 
 PYTHON=${PYTHON:-python3}
-COMBINE_CHOICES=(bf16 fp8 fp8_direct_cast)
+# The values mori_sglang/env.py accepts for SGLANG_MORI_COMBINE_DTYPE, SGLANG_MORI_DISPATCH_DTYPE and
+# SGLANG_MORI_BACKEND (a test keeps them equal; a dry run needs no Python to read them).
+COMBINE_CHOICES=(auto bf16 fp8 fp8_direct_cast fp4)
 DISPATCH_CHOICES=(auto bf16 fp8 mxfp8 fp4)
 PROVIDER_CHOICES=(auto mori triton torch)
 MODEL=""
@@ -198,38 +200,55 @@ prepare() {
     export_mori_env "$split"
 }
 
-# refuse_overrides COMMAND...: an argument after -- that names a flag the recipe sets (FLAG or
-# FLAG=VALUE, the server's aliases, prefixes) would silently replace the recipe's value; refuse it,
-# naming the recipe's value and the script option that sets it. RECIPE_FLAGS holds FLAG=OPTION pairs
-# ("FLAG=-" where the recipe fixes the value); FLAG or, for an alias, the first flag of its pair
-# group is the one in COMMAND.
+# refuse_overrides COMMAND...: an argument after -- that names a flag the recipe's command sets (FLAG
+# or FLAG=VALUE, one of the server's aliases for it, or a prefix its parser would expand) would
+# silently replace the recipe's value; refuse it, naming the recipe's value and the script option that
+# sets it. RECIPE_FLAGS holds ALIAS=OPTION:FLAG entries: FLAG as the command spells it, the script
+# OPTION that sets it ("-" where the recipe fixes it); a flag of the command with no entry is fixed.
 refuse_overrides() {
-    local i arg given name pair flag own set_as value
+    local recipe_args=$(($# - ${#EXTRA_ARGS[@]})) i arg name value given entry flag own
+    local -a entries=("${RECIPE_FLAGS[@]}") recipe=("${@:1:recipe_args}")
+    for ((i = 0; i + 1 < ${#recipe[@]}; i++)); do  # the command's flags that take a value
+        [[ ${recipe[i]} == -* && ${recipe[i + 1]} != -* ]] && entries+=("${recipe[i]}=-:${recipe[i]}")
+    done
     for ((i = 0; i < ${#EXTRA_ARGS[@]}; i++)); do
-        arg=${EXTRA_ARGS[i]} name=${EXTRA_ARGS[i]%%=*} given=${EXTRA_ARGS[i]}
-        if [[ $arg != *=* ]] && ((i + 1 < ${#EXTRA_ARGS[@]})); then
-            given+=" ${EXTRA_ARGS[i + 1]}"
+        arg=${EXTRA_ARGS[i]} name=${EXTRA_ARGS[i]%%=*} value=""
+        [[ $name == -* ]] || continue
+        if [[ $arg == *=* ]]; then
+            value=${arg#*=}
+        elif ((i + 1 < ${#EXTRA_ARGS[@]})) && [[ ${EXTRA_ARGS[i + 1]} != -* ]]; then
+            value=${EXTRA_ARGS[i + 1]}
         fi
-        for pair in "${RECIPE_FLAGS[@]}"; do
-            flag=${pair%%=*} own=${pair#*=}
-            own=${own%%:*} set_as=${pair##*:}
+        given=$arg${value:+ $value}
+        [[ $arg == *=* ]] && given=$arg
+        for entry in "${entries[@]}"; do
+            flag=${entry%%=*} own=${entry#*=}
+            own=${own%%:*}
             # The servers' parsers also take an unambiguous prefix of a long option (--tp for --tp-size).
             [[ $name == "$flag" || ($name == --* && ${#name} -ge 4 && $flag == "$name"*) ]] || continue
-            value=$(command_value "$set_as" "$@")
-            if [[ $own == - ]]; then
-                usage_sentence "'-- $given' contradicts the recipe, which runs $set_as $value; this recipe does not change it"
-            fi
-            usage_sentence "'-- $given' contradicts the recipe, which runs $set_as $value; set it with the script's $own option"
+            flag=${entry##*:}
+            [[ -n $value && $value == "$(command_value "$flag" "${recipe[@]}")" ]] && continue  # the same value
+            refuse_override "$given" "$flag" "$own" "${recipe[@]}"
         done
     done
 }
 
-command_value() {  # command_value FLAG COMMAND...: the value that follows FLAG in COMMAND
+refuse_override() {  # refuse_override GIVEN FLAG OPTION COMMAND...: the one-sentence usage error
+    local given=$1 flag=$2 own=$3 value
+    shift 3
+    value=$(command_value "$flag" "$@")
+    if [[ $own == - ]]; then
+        usage_sentence "'-- $given' contradicts the recipe, which runs ${flag}${value:+ $value}; this recipe does not change it"
+    fi
+    usage_sentence "'-- $given' contradicts the recipe, which runs $flag $value; set it with the script's $own option"
+}
+
+command_value() {  # command_value FLAG COMMAND...: the value that follows FLAG in COMMAND, if any
     local flag=$1
     shift
     while (($#)); do
         if [[ $1 == "$flag" ]]; then
-            printf '%s' "${2-}"
+            [[ ${2-} == -* ]] || printf '%s' "${2-}"
             return 0
         fi
         shift

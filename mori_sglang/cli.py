@@ -17,10 +17,19 @@ from typing import NoReturn, TypeVar
 
 import torch
 
-from mori_sglang.config import COMBINE_ENV_VALUES, DISPATCH_ENV_VALUES, CombineDtype, ConfigError, DispatchDtype
+from mori_sglang import formats
+from mori_sglang.config import (
+    COMBINE_ENV_VALUES,
+    DISPATCH_ENV_VALUES,
+    CombineDtype,
+    ConfigError,
+    DispatchDtype,
+    EpConfig,
+    Provider,
+)
 from mori_sglang.env import EnvError
 from mori_sglang.formats import FormatError
-from mori_sglang.kernels.interpreter import InterpreterError
+from mori_sglang.kernels.interpreter import InterpreterError, install_exact_casts, interpreting
 
 T = TypeVar("T")
 DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -113,6 +122,37 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def check_wire(config: EpConfig) -> None:
+    """What an op checks of its config when it is built (the formats' hidden-size rules, and the Triton
+    kernels' 4-byte words), for a command to refuse sizes while it parses its arguments. Call it after
+    choosing the interpreter: it imports the Triton provider for a triton config."""
+    layout = formats.DispatchRowLayout(
+        formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden),
+        formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden),
+        config.topk,
+    )
+    formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
+    if config.provider is Provider.TRITON:
+        from mori_sglang.providers.triton_provider import check_word_rows
+
+        check_word_rows(config, layout)
+
+
+def check_triton_runs(device: torch.device, command: str) -> None:
+    """For a command that times or probes our Triton kernels: on a CPU they run only in Triton's
+    interpreter, which such a command does not turn on by itself (it would time the interpreter, not the
+    kernels); where it is on, its exact float casts are installed."""
+    if device.type != "cpu":
+        return
+    if not interpreting():
+        raise SetupError(
+            f"{command} runs our Triton kernels, which run on a CPU only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 (the times are then the interpreter's), run it on a GPU, or use --provider torch "
+            "where the command has one"
+        )
+    install_exact_casts()
+
+
 def checked(parser: argparse.ArgumentParser, build: Callable[[], T]) -> T:
     """``build()``, with a configuration the arguments describe but the formats refuse made a usage error."""
     try:
@@ -121,11 +161,11 @@ def checked(parser: argparse.ArgumentParser, build: Callable[[], T]) -> T:
         parser.error(str(e))
 
 
-def run(main: Callable[[Sequence[str] | None], int | None], prog: str, argv: Sequence[str] | None = None) -> NoReturn:
+def run(main: Callable[[Sequence[str] | None], object], prog: str, argv: Sequence[str] | None = None) -> NoReturn:
     """Run a command's ``main`` and exit with its status; a configuration error is one line on stderr and 1."""
     try:
         status = main(argv)
     except CONFIGURATION_ERRORS as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    sys.exit(status or 0)
+    sys.exit(status if isinstance(status, int) else 0)  # a command's main may return its rows

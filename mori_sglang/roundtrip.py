@@ -148,17 +148,7 @@ def configs(args: argparse.Namespace) -> list[EpConfig]:
             mode=Mode(args.mode),
             provider=args.provider,
         )
-        # What the op checks when it is built, checked here so that a bad size is a usage error.
-        layout = formats.DispatchRowLayout(
-            formats.dispatch_token_bytes(dispatch, args.hidden),
-            formats.dispatch_scale_bytes(dispatch, args.hidden),
-            args.topk,
-        )
-        formats.combine_row_bytes(combine, args.hidden, cfg.combine_block)
-        if cfg.provider is Provider.TRITON:
-            from mori_sglang.providers.triton_provider import check_word_rows  # after the interpreter is chosen
-
-            check_word_rows(cfg, layout)
+        cli.check_wire(cfg)
         out.append(cfg)
     return out
 

@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="ab_out", help="per-dtype results, server logs, the table")
     add_driver_args(parser)
     args = parser.parse_args(argv)
+    try:  # a bad placeholder is the command line's error, not the first run's
+        render_command(
+            args.launch, combine_dtype=args.combine_dtypes[0], host=args.host, port=args.port, seed=args.seed
+        )
+    except ValueError as e:
+        parser.error(f"--launch: {e}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     try:  # the data set is resolved (and downloaded) once, before any server is started

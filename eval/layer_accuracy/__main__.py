@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             activations=activations,
         )
         for mode in args.modes:
-            mode_config(setup, mode)
+            cli.check_wire(mode_config(setup, mode))
         return setup
 
     setup = cli.checked(parser, build)

@@ -15,7 +15,6 @@ import torch
 from eval.layer_accuracy.activations import ActivationSpec, channel_scales, expert_outputs
 from eval.layer_accuracy.metrics import flushed_fraction, median_element_error, relative_error, saturated_fraction
 from mori_sglang import CombineDtype, DispatchDtype, EpConfig, LoopbackWorld, Provider
-from mori_sglang.formats import combine_row_bytes
 
 MODES = (
     CombineDtype.BF16,
@@ -84,8 +83,8 @@ def make_workload(setup: LayerSetup) -> Workload:
 
 
 def mode_config(setup: LayerSetup, mode: CombineDtype) -> EpConfig:
-    """The op config of one mode; sizes the op or the format cannot take raise ConfigError / FormatError."""
-    config = EpConfig(
+    """The op config of one mode (ConfigError for sizes no op takes)."""
+    return EpConfig(
         world_size=setup.world_size,
         rank=0,
         hidden=setup.hidden,
@@ -97,8 +96,6 @@ def mode_config(setup: LayerSetup, mode: CombineDtype) -> EpConfig:
         provider=setup.provider,
         fp8_dtype=setup.fp8_dtype,
     )
-    combine_row_bytes(mode, setup.hidden, config.combine_block)
-    return config
 
 
 def run_mode(setup: LayerSetup, work: Workload, mode: CombineDtype) -> ModeResult:

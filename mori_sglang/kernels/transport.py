@@ -182,8 +182,9 @@ def _await_round(
         senders = w_offs < W
         arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
         late = _late_senders(arrivals, senders, target)
-        deadline = _clock_ns(CLOCK) + timeout_ns
-        in_time = True
+        start = _clock_ns(CLOCK)
+        deadline = start + timeout_ns
+        in_time = start < deadline
         gave_up_ptr = round_ptr + 2
         # A scalar atomic reaches every warp of the program with one value (a load would be read by each
         # warp on its own, and warps that leave the loop apart would meet different barriers).

@@ -20,9 +20,16 @@ import triton.language as tl
 
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
-from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import interpreter, transport
 from mori_sglang.providers.arena import Arena, ArenaLayout
+from mori_sglang.providers.base import (
+    ALL_DISPATCH,
+    ALL_MODES,
+    OUR_COMBINE_FORMATS,
+    Capabilities,
+    EpProvider,
+    ProviderSetup,
+)
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.types import (
     CombineHandle,
@@ -141,26 +148,36 @@ def clock_kind(device: torch.device) -> int:
     return transport.CLOCK_HIP if torch.version.hip else transport.CLOCK_CUDA
 
 
-class TritonProvider:
+@dataclass
+class SlotHandle(CombineHandle):
+    """The Triton provider's routing record: views of the op's buffers, valid until the next dispatch.
+
+    ``slot_of_pair[n, k]``: the fixed slot the copy of token n for top-k slot k went to (-1: none);
+    ``recv_counts``: the rows received from each source.
+    """
+
+    slot_of_pair: torch.Tensor
+    recv_counts: torch.Tensor
+
+
+class TritonProvider(EpProvider):
     """Expert ids are range-checked by the routing kernel, on the device: no host sync per dispatch."""
 
     name = "triton"
-    fused_quantization = frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4})
-    checks_ids_on_device = True
-    keeps_old_handles = False  # handles point at the op's buffers, which the next dispatch reuses
+    display_name = "triton"
+    capabilities = Capabilities(
+        dispatch_formats=ALL_DISPATCH,
+        combine_formats=OUR_COMBINE_FORMATS,
+        fused_quantization=frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4}),
+        id_checks_on_device=frozenset({"cuda", "cpu"}),  # the routing kernel, compiled or interpreted
+        modes=ALL_MODES,
+        loopback=True,
+        keeps_old_handles=False,  # handles point at the op's buffers, which the next dispatch reuses
+    )
 
-    def __init__(
-        self,
-        config: EpConfig,
-        device: torch.device,
-        fp8_dtype: torch.dtype,
-        layout: formats.DispatchRowLayout,
-        *,
-        group: dist.ProcessGroup | None = None,
-        loopback: LoopbackHub | None = None,
-        programs: int | None = None,
-        tuning: KernelTuning | None = None,
-    ) -> None:
+    def __init__(self, setup: ProviderSetup) -> None:
+        config, device, fp8_dtype, layout = setup.config, setup.device, setup.fp8_dtype, setup.layout
+        group, loopback = setup.group, setup.loopback
         if device.type == "cpu":
             if not interpreter.interpreting():
                 raise ConfigError(
@@ -174,8 +191,7 @@ class TritonProvider:
         self.fp8_dtype = fp8_dtype
         self.peer_timeout_s = config.peer_timeout_s
         self._clock = clock_kind(device)
-        self.tuning = tuning or KernelTuning()
-        self._programs = programs
+        self.tuning = KernelTuning()
         self._sms = multiprocessors(device)
         # Every launch takes these: the kernels' PDL switch and the launch option go together (transport docs).
         self._pdl_launch = {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
@@ -214,15 +230,13 @@ class TritonProvider:
         # Each copy's destination row address, made by the routing for the send right after it.
         self._row_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
         self._num_tokens = 0
-        self._combine_handle: CombineHandle | None = None
+        self._combine_handle: SlotHandle | None = None
         self.fp8_name = TRITON_FP8[fp8_dtype]
 
     # -- bookkeeping --------------------------------------------------------------------------
 
     def _program_count(self, per_sm: int) -> int:
-        """Programs of a kernel: ``per_sm`` per multiprocessor, unless fixed at construction."""
-        if self._programs:
-            return self._programs
+        """Programs of a kernel: ``per_sm`` per multiprocessor (a fixed count in the interpreter)."""
         return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
 
     def _grid(self, per_sm: int, items: int) -> tuple[int]:
@@ -398,14 +412,11 @@ class TritonProvider:
             **self._pdl_launch,
         )
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
-        handle = CombineHandle(
+        handle = SlotHandle(
             num_tokens=self._num_tokens,
-            copy_of_pair=slot_of_pair,
-            slot_of_pair=slot_of_pair,
-            recv_src=None,
-            recv_pos=None,
-            recv_counts=self.recv_counts,
             num_recv=self.num_recv,
+            slot_of_pair=slot_of_pair,
+            recv_counts=self.recv_counts,
         )
         scales = None
         if layout.scale_bytes:
@@ -443,6 +454,7 @@ class TritonProvider:
         }
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        assert isinstance(handle, SlotHandle)  # the op passes back only this provider's handles
         self._ensure_peers()
         cfg = self.config
         meta = self._combine_meta(self.tuning.combine_send_tile)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.testing
 
-from mori_sglang.cli import resolve_device
+from mori_sglang import cli
 from mori_sglang.kernels.probes import fan_out_kernel
 from mori_sglang.providers.triton_provider import INTERPRETER_PROGRAMS, multiprocessors
 from mori_sglang.tools.measure import copy_bandwidth, roofline_bytes, time_phases
@@ -36,12 +36,18 @@ class Pattern:
     pct_of_copy: float
 
 
-def fan_out(x: torch.Tensor, out: torch.Tensor, warps: int, programs: int) -> None:
-    """Launch the fan-out probe: x [tokens, hidden] 16-bit -> out [D, tokens, hidden] bytes."""
-    tokens, hidden = x.shape
+def fan_out_tile(hidden: int) -> int:
+    """The probe's tile for a hidden size; ValueError where no power-of-two tile divides it."""
     tile = min(FAN_OUT_TILE, hidden)
     if hidden % tile or tile & (tile - 1):
         raise ValueError(f"--hidden {hidden}: the fan-out probe needs a multiple of a power-of-two tile ({tile})")
+    return tile
+
+
+def fan_out(x: torch.Tensor, out: torch.Tensor, warps: int, programs: int) -> None:
+    """Launch the fan-out probe: x [tokens, hidden] 16-bit -> out [D, tokens, hidden] bytes."""
+    tokens, hidden = x.shape
+    tile = fan_out_tile(hidden)
     meta = {"D": out.shape[0], "HIDDEN": hidden, "TILE": tile, "num_warps": warps}
     fan_out_kernel[(programs,)](x, out, out.stride(0), tokens, **meta)
 
@@ -88,18 +94,26 @@ def markdown(patterns: list[Pattern]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[Pattern]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--fan-out", type=int, nargs="+", default=[1, 4, 8], help="destinations (powers of two)")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--device", default="auto")
+    parser = argparse.ArgumentParser(prog="python -m mori_sglang.tools.bandwidth", description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=cli.positive_int, default=4096)
+    parser.add_argument("--hidden", type=cli.positive_int, default=7168)
+    parser.add_argument(
+        "--fan-out", type=cli.positive_int, nargs="+", default=[1, 4, 8], help="destinations (powers of two)"
+    )
+    parser.add_argument("--iters", type=cli.positive_int, default=20)
+    parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    bad = [d for d in args.fan_out if d < 1 or d & (d - 1)]
+    bad = [d for d in args.fan_out if d & (d - 1)]
     if bad:
         parser.error(f"--fan-out {bad}: destinations must be powers of two")
-    patterns = measure(resolve_device(args.device), args.tokens, args.hidden, args.fan_out, args.iters)
+    try:
+        fan_out_tile(args.hidden)
+    except ValueError as e:
+        parser.error(str(e))
+    device = cli.resolve_device(args.device)
+    cli.check_triton_runs(device, "python -m mori_sglang.tools.bandwidth")
+    patterns = measure(device, args.tokens, args.hidden, args.fan_out, args.iters)
     print(markdown(patterns))
     if args.json:
         with open(args.json, "w") as f:
@@ -108,4 +122,4 @@ def main(argv: list[str] | None = None) -> list[Pattern]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "python -m mori_sglang.tools.bandwidth")

@@ -1,7 +1,7 @@
 """Benchmark of dispatch and combine in a loopback world: time, algorithm GB/s, % of the copy roofline.
 
     python -m mori_sglang.tools.bench --world 8 --tokens 128 4096 --hidden 7168 --topk 8 --experts 256 \
-        --dispatch-dtype fp8 --combine-dtype bf16 fp8_blockwise fp8_direct_cast --mode low_latency
+        --dispatch-dtype fp8 --combine-dtype bf16 fp8 fp8_direct_cast --mode low_latency
 
 Every rank's buffers sit on one device, so the numbers measure the kernels' memory traffic against
 the device's own copy bandwidth (measured in the same run), and the torch provider runs the same
@@ -14,19 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from mori_sglang import formats
-from mori_sglang.cli import resolve_device
+from mori_sglang import cli, formats
 from mori_sglang.config import EpConfig, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.routing import owning_destinations
 from mori_sglang.tools.measure import copy_bandwidth, identity_expert, time_phases
-from mori_sglang.tools.workload import add_workload_args, speedup_cells, workload_configs
+from mori_sglang.tools.workload import add_workload_args, report_progress, speedup_cells, workload_configs
 
 if TYPE_CHECKING:
     from mori_sglang.providers.triton_provider import KernelTuning
@@ -152,7 +152,7 @@ def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw:
         tokens=tokens,
         max_tokens_per_rank=cfg.max_tokens_per_rank,
         dispatch_dtype=cfg.dispatch_dtype.value,
-        combine_dtype=cfg.combine_dtype.value,
+        combine_dtype=cli.combine_name(cfg.combine_dtype),
         dispatch_us=ds + dr,
         combine_us=cs + cr,
         dispatch_send_us=ds,
@@ -209,28 +209,34 @@ def plot(rows: list[Row], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mori_sglang.tools.bench", description=__doc__.splitlines()[0])
     add_workload_args(parser)
-    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--world", "--world-size", type=cli.positive_int, default=8, help="ranks")
     parser.add_argument("--provider", default="triton", choices=["triton", "torch"])
     parser.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--plot", help="write a bar chart (PNG) here")
     args = parser.parse_args(argv)
 
-    device = resolve_device(args.device)
+    device = cli.resolve_device(args.device)
+    provider = Provider(args.provider)
+    if provider is Provider.TRITON:
+        cli.check_triton_runs(device, "python -m mori_sglang.tools.bench --provider triton")
+    points = cli.checked(parser, lambda: workload_configs(args, args.world, 0, provider))
     bw = copy_bandwidth(device)
     rows: list[Row] = []
     baseline: dict[tuple, Row] = {}
-    for cfg, tokens in workload_configs(args, args.world, 0, Provider(args.provider)):
+    for done, (cfg, tokens) in enumerate(points, 1):
+        start = time.perf_counter()
         row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw)
         rows.append(row)
-        if not args.no_baseline and args.provider != "torch":
+        if not args.no_baseline and provider is not Provider.TORCH:
             base_cfg = replace(cfg, provider=Provider.TORCH)
             base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw)
             baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
             rows.append(base)
+        report_progress(done, len(points), cfg, tokens, time.perf_counter() - start)
     if args.max_tokens_per_rank:
         print(f"buffers sized for {args.max_tokens_per_rank} tokens per rank")
     print(markdown(rows, baseline, bw))
@@ -243,4 +249,4 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "python -m mori_sglang.tools.bench")

@@ -2,7 +2,7 @@
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     torchrun --nproc-per-node 8 -m mori_sglang.tools.bench_dist --tokens 128 4096 --hidden 7168 --topk 8 \
-        --experts 256 --dispatch-dtype fp8 --combine-dtype bf16 fp8_blockwise fp8_direct_cast
+        --experts 256 --dispatch-dtype fp8 --combine-dtype bf16 fp8 fp8_direct_cast
 
 Each timed step is one dispatch (send + receive) and one combine on every rank, started together after
 a barrier; a step's time is the slowest rank's. The torch provider (all_to_all_single over NCCL, or
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
-from mori_sglang import formats
+from mori_sglang import cli, formats
 from mori_sglang.config import EpConfig, Provider
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.tools.measure import Stopwatch, identity_expert
@@ -84,7 +84,7 @@ def bench(cfg: EpConfig, tokens: int, device: torch.device, iters: int, seed: in
         world=cfg.world_size,
         tokens=tokens,
         dispatch_dtype=cfg.dispatch_dtype.value,
-        combine_dtype=cfg.combine_dtype.value,
+        combine_dtype=cli.combine_name(cfg.combine_dtype),
         dispatch_us=dispatch_s * 1e6,
         combine_us=combine_s * 1e6,
         dispatch_gbs=received * dispatch_row / dispatch_s / 1e9,
@@ -109,27 +109,40 @@ def markdown(rows: list[DistRow]) -> str:
     return "\n".join(lines)
 
 
+# What torchrun (torch.distributed.run) sets in every process it starts.
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    prog = "python -m mori_sglang.tools.bench_dist"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_workload_args(parser)
     parser.add_argument("--provider", default="auto", choices=[p.value for p in Provider])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="rank 0 writes the rows here")
     args = parser.parse_args(argv)
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise cli.SetupError(
+            f"{prog} runs one process per rank and needs {', '.join(missing)} from torchrun: start it as "
+            "torchrun --nproc-per-node N -m mori_sglang.tools.bench_dist ..."
+        )
 
     use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = int(os.environ["WORLD_SIZE"])
     providers = [Provider(args.provider)]
     if not args.no_baseline and providers[0] is not Provider.TORCH:
         providers.append(Provider.TORCH)
+    points = cli.checked(parser, lambda: workload_configs(args, world, int(os.environ["RANK"]), providers[0]))
+    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    rank = dist.get_rank()
     rows = [
         bench(replace(cfg, provider=provider), tokens, device, args.iters, args.seed)
-        for cfg, tokens in workload_configs(args, world, rank, providers[0])
+        for cfg, tokens in points
         for provider in providers
     ]
     if rank == 0:
@@ -141,4 +154,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "python -m mori_sglang.tools.bench_dist")

@@ -71,9 +71,7 @@ def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def identity_expert(
-    out: DispatchOutput, dispatch: DispatchDtype, hidden: int, rows: int | None = None
-) -> torch.Tensor:
+def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, rows: int | None = None) -> torch.Tensor:
     """What an expert that returns its input would produce: the dequantized received tokens, as bf16.
 
     ``rows``: dequantize only the first rows (the received count); by default the whole receive buffer,

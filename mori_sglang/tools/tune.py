@@ -1,7 +1,7 @@
 """One-factor sweep of the Triton kernels' tuning: each variant changes one or more KernelTuning fields
 from the defaults and is timed phase by phase in a loopback world, beside the defaults.
 
-    python -m mori_sglang.tools.tune --tokens 128 4096 --mode low_latency --combine-dtype bf16 fp8_blockwise \\
+    python -m mori_sglang.tools.tune --tokens 128 4096 --mode low_latency --combine-dtype bf16 fp8 \\
         --vary send_warps=2,4 combine_send_programs_per_sm=16,64 combine_recv_tile=1024,4096
 
 A variant ``a=1,2`` sweeps one field; ``a=1+b=2`` changes two fields together. Use it to retune for
@@ -13,32 +13,39 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Iterator
+import time
 
-from mori_sglang.cli import resolve_device
+from mori_sglang import cli
 from mori_sglang.config import Provider
 from mori_sglang.providers.triton_provider import KernelTuning
 from mori_sglang.tools.bench import Row, bench_one
 from mori_sglang.tools.measure import copy_bandwidth
-from mori_sglang.tools.workload import add_workload_args, workload_configs
+from mori_sglang.tools.workload import add_workload_args, report_progress, workload_configs
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
-def parse_variants(specs: list[str]) -> Iterator[tuple[str, dict[str, int]]]:
-    """``field=v1,v2`` -> one variant per value; ``f=1+g=2`` -> one variant changing both."""
+def parse_variants(specs: list[str]) -> list[tuple[str, dict[str, int]]]:
+    """``field=v1,v2`` -> one variant per value; ``f=1+g=2`` -> one variant changing both. A spec that
+    names no KernelTuning field or gives no integer raises ValueError naming it."""
     fields = {f.name for f in dataclasses.fields(KernelTuning)}
+    variants = []
     for spec in specs:
         parts = [p.split("=", 1) for p in spec.split("+")]
-        for name, _ in parts:
-            if name not in fields:
-                raise SystemExit(f"--vary {spec}: {name} is not a KernelTuning field ({', '.join(sorted(fields))})")
-        if len(parts) == 1:
-            name, values = parts[0]
-            for value in values.split(","):
-                yield f"{name}={value}", {name: int(value)}
-        else:
-            yield spec, {name: int(value) for name, value in parts}
+        for part in parts:
+            if len(part) != 2:
+                raise ValueError(f"--vary {spec}: write field=value (see --help)")
+            if part[0] not in fields:
+                raise ValueError(f"--vary {spec}: {part[0]} is not a KernelTuning field ({', '.join(sorted(fields))})")
+        try:
+            if len(parts) == 1:
+                name, values = parts[0]
+                variants += [(f"{name}={value}", {name: int(value)}) for value in values.split(",")]
+            else:
+                variants.append((spec, {name: int(value) for name, value in parts}))
+        except ValueError:
+            raise ValueError(f"--vary {spec}: the values must be integers") from None
+    return variants
 
 
 def markdown(results: list[tuple[str, Row]]) -> str:
@@ -53,22 +60,30 @@ def markdown(results: list[tuple[str, Row]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, Row]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mori_sglang.tools.tune", description=__doc__.splitlines()[0])
     add_workload_args(parser)
-    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--world", "--world-size", type=cli.positive_int, default=8, help="ranks")
     parser.add_argument("--vary", nargs="+", default=[], help="field=v1,v2 or field=v+field=v (see above)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    variants = [("defaults", {}), *parse_variants(args.vary)]
-    device = resolve_device(args.device)
+    try:
+        variants = [("defaults", {}), *parse_variants(args.vary)]
+    except ValueError as e:
+        parser.error(str(e))
+    device = cli.resolve_device(args.device)
+    cli.check_triton_runs(device, "python -m mori_sglang.tools.tune")
+    points = cli.checked(parser, lambda: workload_configs(args, args.world, 0, Provider.TRITON))
     bw = copy_bandwidth(device)
     results = []
     for name, changes in variants:
         tuning = dataclasses.replace(KernelTuning(), **changes)
-        for cfg, tokens in workload_configs(args, args.world, 0, Provider.TRITON):
+        for cfg, tokens in points:
+            start = time.perf_counter()
             row, _ = bench_one(cfg, tokens, device, args.iters, device.type == "cuda", bw, tuning)
             results.append((name, row))
+            elapsed = time.perf_counter() - start
+            report_progress(len(results), len(variants) * len(points), cfg, tokens, elapsed, f"{name}: ")
     print(f"copy roofline (read+write): {bw:.0f} GB/s\n")
     print(markdown(results))
     if args.json:
@@ -79,4 +94,4 @@ def main(argv: list[str] | None = None) -> list[tuple[str, Row]]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "python -m mori_sglang.tools.tune")

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from mori_sglang import env
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 SYSTEM_PATH = "/usr/bin:/bin"
@@ -155,7 +158,7 @@ def test_help_lists_every_option(script: str) -> None:
         (("--model",), "error: --model needs a value"),
         (
             ("--model", "M", "--combine-dtype", "fp16"),
-            "--combine-dtype 'fp16' is not accepted; use one of: bf16 fp8 fp8_direct_cast",
+            "--combine-dtype 'fp16' is not accepted; use one of: auto bf16 fp8 fp8_direct_cast fp4",
         ),
         (("--model", "M", "--gpus", "0"), "--gpus '0' is not a positive integer"),
         (("--model", "M", "--mode", "fast"), "--mode 'fast' is not accepted"),
@@ -325,6 +328,12 @@ def test_options_take_their_value_after_an_equals_sign(
             "'-- --port 1' contradicts the recipe, which runs --port 30000; set it with the script's --port option",
         ),
         (
+            "sglang_h200_moe.sh",
+            ["--moe-runner-backend", "deep_gemm"],
+            "'-- --moe-runner-backend deep_gemm' contradicts the recipe, which runs --moe-runner-backend triton; "
+            "this recipe does not change it",
+        ),
+        (
             "vllm_h200_moe.sh",
             ["--all2all-backend", "deepep_low_latency"],
             "'-- --all2all-backend deepep_low_latency' contradicts the recipe, which runs --all2all-backend "
@@ -384,3 +393,30 @@ def test_launch_shows_settings_then_execs_the_server(
     assert lines[0].startswith(f"ran: -m mori_sglang.env combine={dtype}")
     assert lines[1].startswith(f"ran: -m {entry} ") and f"combine={dtype}" in lines[1]
     assert len(lines) == 2
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_server_args_that_agree_with_the_recipe_pass(script: str, model: Path, tmp_path: Path) -> None:
+    """Repeating a switch or a value the recipe sets contradicts nothing."""
+    extra = ["--trust-remote-code", "--port", "31234", "--enable-expert-parallel", "--max-running-requests", "4"]
+    if script in SGLANG:
+        extra[-2:-2] = ["--moe-a2a-backend", "mori", "--enable-dp-attention"]
+    result = run(
+        script, "--model", str(model), "--port", "31234", "--dry-run", "--", *extra,
+        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert parse_dry_run(result.stdout)[1][-len(extra) :] == extra
+
+
+def test_the_scripts_accept_the_values_of_the_variables_they_set() -> None:
+    """One vocabulary: each option's choices are the accepted values of the variable it exports."""
+    text = (LAUNCH / "common.sh").read_text()
+    for array, variable in (
+        ("COMBINE_CHOICES", "SGLANG_MORI_COMBINE_DTYPE"),
+        ("DISPATCH_CHOICES", "SGLANG_MORI_DISPATCH_DTYPE"),
+        ("PROVIDER_CHOICES", "SGLANG_MORI_BACKEND"),
+    ):
+        match = re.search(rf"^{array}=\(([^)]*)\)$", text, re.MULTILINE)
+        assert match, f"launch/common.sh defines no {array}"
+        assert tuple(match.group(1).split()) == env.ENV_BY_NAME[variable].choices, array

@@ -156,14 +156,44 @@ def f32_to_bf16_bits(v: F32) -> int:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
 
-def accumulate(copies: list[tuple[list[int], list[F32] | None]], hidden: int, fmt: Fp8Format) -> list[int]:
-    """The receiver: each copy's codes (and scales; None for the direct cast) added in order; bf16 bits."""
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _round_e2m1(v: float) -> float:
+    """Nearest e2m1 value to a finite ``v``, ties to the even code, saturating at ±6."""
+    magnitude = min(Fraction(abs(v)), Fraction(6))
+    best = min(range(8), key=lambda code: (abs(Fraction(E2M1_VALUES[code]) - magnitude), code % 2))
+    return math.copysign(E2M1_VALUES[best], v)
+
+
+def quantize_fp4(bits: list[int], scale_dim: int) -> tuple[list[float], list[F32]]:
+    """One bf16 row -> (e2m1 values, f32 scales) as MoRI's fp4 blockwise combine stages it: every
+    block scaled by amax / 6 (a zero block: scale 1, values 0), scale 0 always negated."""
+    hidden = len(bits)
+    block = -(-hidden // scale_dim)
+    limit = F32(6.0)
+    values: list[float] = []
+    scales: list[F32] = []
+    for sb in range(scale_dim):
+        part = bits[sb * block : min(sb * block + block, hidden)]
+        amax = bf16_to_f32(max((_abs_bits_ignoring_nan(b) for b in part), default=0))
+        nonzero = amax > F32(0.0)
+        scales.append(F32(amax / limit) if nonzero else F32(1.0))
+        inverse = F32(limit / amax) if nonzero else F32(0.0)
+        values.extend(_round_e2m1(float(F32(bf16_to_f32(b) * inverse))) for b in part)
+    scales[0] = F32(-scales[0])
+    return values, scales
+
+
+def accumulate(copies: list[tuple[list[int], list[F32] | None]], hidden: int, fmt: Fp8Format | None) -> list[int]:
+    """The receiver: each copy's fp8 codes (or, with ``fmt`` None, e2m1 values) and scales (None for
+    the direct cast) added in order; bf16 bits."""
     out = []
     with np.errstate(all="ignore"):
         for i in range(hidden):
             acc = F32(0.0)
             for codes, scales in copies:
-                x = F32(fmt.value(codes[i]))
+                x = F32(fmt.value(codes[i]) if fmt is not None else codes[i])
                 if scales is None or not scales[0] < 0:
                     acc = F32(acc + x)
                     continue

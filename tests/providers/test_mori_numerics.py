@@ -165,3 +165,28 @@ def test_our_fp8_blockwise_native_is_moris_format(fp8: torch.dtype, fmt: mt.Fp8F
     back = formats.dequantize_combine(wire, CombineDtype.FP8_BLOCKWISE_NATIVE, hidden, fp8, block)
     moris = _numerics.accumulate(torch.zeros(y.shape), q, scales, hidden)
     assert torch.equal(back, moris)
+
+
+@pytest.mark.parametrize(("hidden", "scale_dim"), [(64, 8), (60, 8), (7168 // 16, 56)])
+def test_fp4_blockwise_combine_equals_the_transliteration(hidden: int, scale_dim: int, seed: int) -> None:
+    """MoRI's fp4 combine (gfx950): every block scaled to e2m1's 6, zero blocks, ties of e2m1's grid,
+    blocks far below 1 and above the fp8 range; finite values (its NaN handling is not modelled)."""
+    gen = generator(seed, hidden, scale_dim)
+    block = math.ceil(hidden / scale_dim)
+    rows = torch.randn(4, hidden, generator=gen) * torch.tensor([1.0, 1e3, 1e-6, 1.0])[:, None]
+    rows[0, :block] = 0.0  # a zero block
+    rows[3, :block] = torch.tensor([6.0, 0.25, 0.75, 1.25, 2.5, 3.5, 5.0, 3.0] * block)[:block]  # e2m1 ties
+    rows = rows.to(torch.bfloat16)
+    copies = [rows, rows.flip(0), (rows.float() * 0.5).to(torch.bfloat16)]
+    acc = torch.zeros(rows.shape)
+    for copy in copies:
+        values, scales = _numerics.quantize_fp4_blockwise(copy, scale_dim)
+        for r in range(rows.shape[0]):
+            want_values, want_scales = mt.quantize_fp4(_bf16_bits(copy[r]), scale_dim)
+            assert values[r].tolist() == want_values, r
+            assert scales[r].tolist() == [float(s) for s in want_scales], r
+        acc = _numerics.accumulate(acc, values, scales, hidden)
+    got = acc.to(torch.bfloat16)
+    for r in range(rows.shape[0]):
+        scalar = [mt.quantize_fp4(_bf16_bits(c[r]), scale_dim) for c in copies]
+        assert _bf16_bits(got[r]) == mt.accumulate(scalar, hidden, None), r

@@ -277,10 +277,13 @@ CASES = (
     Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE, 256, "IntraNode"),  # 56 blocks of 5
     Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE_NATIVE, 7168, "IntraNode"),  # of 128
     Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.FP8_DIRECT_CAST, 256, "IntraNode"),
+    Case(Mode.INTRANODE, DispatchDtype.MXFP4, CombineDtype.FP4_BLOCKWISE, 256, "IntraNode"),  # gfx950 only
     Case(Mode.LOW_LATENCY, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, 256, "AsyncLL"),
     Case(Mode.LOW_LATENCY, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "AsyncLL"),
     Case(Mode.LOW_LATENCY, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE, 384, "AsyncLL", scale_dim=3),
     Case(Mode.SPLIT, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE_NATIVE, 256, "AsyncLL"),
+    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.BF16, 2880, "v2"),  # a partial last fp8 group
+    Case(Mode.LOW_LATENCY, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE, 2880, "AsyncLL"),  # blocks of 52
 )
 ARCHES = ("gfx942", "gfx950")
 
@@ -298,13 +301,16 @@ def _rows(out, n: int) -> list[tuple]:
 
 
 def _expected_mori_blockwise(
-    y: torch.Tensor, ids: torch.Tensor, num_local: int, fp8: torch.dtype, scale_dim: int
+    y: torch.Tensor, ids: torch.Tensor, num_local: int, fp8: torch.dtype, scale_dim: int, fp4: bool
 ) -> torch.Tensor:
     """MoRI's blockwise combine of expert outputs ``y`` (one row per source token, the same on every
     rank it went to): each distinct destination sends back MoRI's quantized row, added in order."""
     from mori import _numerics
 
-    q, scales = _numerics.quantize_blockwise(y, fp8, scale_dim)
+    if fp4:
+        q, scales = _numerics.quantize_fp4_blockwise(y, scale_dim)
+    else:
+        q, scales = _numerics.quantize_blockwise(y, fp8, scale_dim)
     acc = torch.zeros(y.shape)
     copies = torch.tensor([len({int(e) // num_local for e in row if e >= 0}) for row in ids.tolist()])
     for step in range(int(copies.max()) if copies.numel() else 0):
@@ -356,6 +362,10 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
         combine_dtype=case.combine,
         fp8_dtype=fp8,
     )
+    if case.combine is CombineDtype.FP4_BLOCKWISE and arch != "gfx950":
+        with pytest.raises(ValueError, match="requires a gfx950 GPU"):  # MoRI's own check
+            EpDispatchCombineOp(replace(cfg, provider="mori"), device="cpu")
+        return
     reference_combine = CombineDtype.BF16 if case.combine is not CombineDtype.FP8_DIRECT_CAST else case.combine
     ops = {
         "torch": EpDispatchCombineOp(replace(cfg, provider="torch", combine_dtype=reference_combine), device="cpu"),
@@ -366,6 +376,7 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
     assert isinstance(provider.op, api) and provider.kernel == case.kernel, (case, provider.kernel)
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
+    first_tokens = None
     for step in range(2):  # the second step overwrites the first's buffers
         n = (MAX_TOKENS, 2, 0)[(rank + step) % 3]
         x = (torch.randn(n, case.hidden, generator=gen) * 3).to(torch.bfloat16)
@@ -383,6 +394,9 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
                 scales = scales[:received]
             y = formats.dequantize_dispatch(out.tokens[:received], scales, case.dispatch, case.hidden) * 1.5
             rows = _rows(out, received)
+            if name == "mori":  # MoRI hands out its own buffers again: the same memory every step
+                first_tokens = out.tokens.data_ptr() if first_tokens is None else first_tokens
+                assert out.tokens.data_ptr() == first_tokens
             op.combine_send(y.to(torch.bfloat16), out.handle)
             results[name] = (rows, op.combine_recv().clone())
         assert results["mori"][0] == results["torch"][0], f"{case} step {step}: received rows differ"
@@ -396,7 +410,8 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
             )
             y_src = (y_src * 1.5).to(torch.bfloat16)
             dim = case.scale_dim or _numerics.DEFAULT_SCALE_DIM
-            want = _expected_mori_blockwise(y_src, ids, EXPERTS // world, fp8, dim)
+            fp4 = case.combine is CombineDtype.FP4_BLOCKWISE
+            want = _expected_mori_blockwise(y_src, ids, EXPERTS // world, fp8, dim, fp4)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{case} step {step}: combine differs"
     split = ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
     assert provider.op.calls == (split if case.kernel == "AsyncLL" else ["dispatch", "combine"]) * 2
@@ -410,7 +425,8 @@ def _ids_past_the_last_expert(rank: int, world: int) -> None:
     for mode in (Mode.LOW_LATENCY, Mode.INTRANODE):
         cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=mode, provider="mori")
         op = EpDispatchCombineOp(cfg, device="cpu")
-        op.provider.checks_ids_on_device = True
+        on_any_device = frozenset({"cpu", "cuda"})
+        op.provider.capabilities = replace(op.provider.capabilities, id_checks_on_device=on_any_device)
         own = rank * local
         ids = torch.tensor([[EXPERTS + rank, 1, -1], [EXPERTS + 5, -1, -1], [own, own + 1, EXPERTS]])
         op.dispatch_send(torch.randn(3, 256).to(torch.bfloat16), torch.rand(3, TOPK), None, ids)

@@ -14,7 +14,11 @@ never run on an AMD GPU:
 - the receiver adds ``fp8 * scale`` into an f32 accumulator starting at +0 in top-k order (a fused
   multiply-add: HIP contracts by default), then rounds once to bf16;
 - the direct cast saturates finite values, keeps NaN and turns ±Inf into NaN (HIP's conversion does
-  not clamp non-finite values).
+  not clamp non-finite values);
+- the fp4 blockwise combine (gfx950) scales every block by ``amax / 6`` (``6 / amax`` applied, 0 for
+  a zero block whose scale is 1), rounds to e2m1 to nearest even saturating at ±6, always marks the
+  token, and the receiver adds ``fma(value, scale, acc)``. Non-finite inputs to it are not modelled
+  (the conversion instruction's NaN handling is not in the sources).
 """
 
 from __future__ import annotations
@@ -91,6 +95,35 @@ def quantize_blockwise(y: torch.Tensor, fp8: torch.dtype, scale_dim: int) -> tup
     flagged = scaled.any(dim=1)
     stored[:, 0] = torch.where(flagged, -stored[:, 0], stored[:, 0])
     return q.contiguous(), stored
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_MAX = 6.0
+
+
+def quantize_fp4_blockwise(y: torch.Tensor, scale_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows -> (the e2m1 values as f32 ``[R, H]``, f32 scales ``[R, scale_dim]``) as MoRI stages them."""
+    rows, hidden = y.shape
+    block = math.ceil(hidden / scale_dim)
+    padded = torch.zeros(rows, block * scale_dim)
+    padded[:, :hidden] = y.to(torch.bfloat16).float()
+    blocks = padded.view(rows, scale_dim, block)
+    magnitude = blocks.abs()
+    amax = torch.where(magnitude.isnan(), 0.0, magnitude).amax(dim=2)
+    limit = torch.tensor(FP4_MAX)
+    nonzero = amax > 0
+    scales = torch.where(nonzero, amax / limit, torch.ones_like(amax))
+    inv = torch.where(nonzero, limit / torch.where(nonzero, amax, 1.0), torch.zeros_like(amax))
+    v = blocks * inv[:, :, None]
+    table = torch.tensor(E2M1_VALUES)
+    mids = (table[1:] + table[:-1]) / 2
+    mag = v.abs().clamp(max=FP4_MAX)
+    code = torch.bucketize(mag, mids)  # a value on a midpoint takes the lower code
+    tie = (mag[..., None] == mids).any(-1) & (code % 2 == 1)
+    code = torch.where(tie, code + 1, code)
+    values = torch.where(torch.signbit(v), -table[code], table[code]).view(rows, block * scale_dim)[:, :hidden]
+    scales[:, 0] = -scales[:, 0]
+    return values.contiguous(), scales
 
 
 def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

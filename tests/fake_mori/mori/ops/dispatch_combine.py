@@ -351,8 +351,6 @@ class EpDispatchCombineOp:
             external = use_external_inp_buf if use_external_inp_buf >= 0 else int(cfg.use_external_inp_buf)
             if not external:
                 raise ValueError(f"{label} combine currently requires useExternalInpBuffer=True")
-            if self._quant is _QT.Fp4BlockwiseQuant:
-                raise NotImplementedError("the stand-in does not model the fp4 blockwise combine's numerics")
 
     def _wire(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a received row becomes on its way back: (values, blockwise scales or None)."""
@@ -361,6 +359,8 @@ class EpDispatchCombineOp:
             return _numerics.direct_cast(y, fp8), None
         if self._quant is _QT.Fp8BlockwiseQuant:
             return _numerics.quantize_blockwise(y, fp8, self._fp8_blockwise_combine_scale_dim)
+        if self._quant is _QT.Fp4BlockwiseQuant:
+            return _numerics.quantize_fp4_blockwise(y, self._fp8_blockwise_combine_scale_dim)
         return y.clone(), None
 
     def _accumulate(self, everyone: list[tuple], dtype: torch.dtype) -> torch.Tensor:
