@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sglang.srt.environ import envs
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 from sglang.srt.layers.dp_attention import get_dp_global_num_tokens, get_is_extend_in_batch
@@ -45,6 +44,7 @@ from sglang.srt.layers.moe.token_dispatcher.moriep import (
 from sglang.srt.layers.moe.utils import DeepEPMode, is_tbo_enabled
 from sglang.srt.runtime_context import get_exec
 
+from mori_sglang import env
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.integrations.sglang.expert_input import local_expert_counts, local_expert_ids
 from mori_sglang.op import EpDispatchCombineOp
@@ -193,11 +193,8 @@ class MoriSglangDispatcher(BaseDispatcher):
         self._stage = _Stage.INITIAL
         self._flight: _InFlight | None = None
         self._deepep_dispatch_hooks = MoriEPPDispatchHooks()
-        # On unless SGLANG_MORI_RECV_BOUND=0 (upstream's default is off: AITER keeps its own view of the
-        # buffer, while the Triton experts' work grows with the rows they are handed). Never under
-        # two-batch overlap, as upstream: the bound comes from per-batch sizes that it splits.
-        bound = envs.SGLANG_MORI_RECV_BOUND
-        self._bound_recv = (bound.get() if bound.is_set() else True) and not is_tbo_enabled()
+        # Never under two-batch overlap, as upstream: the bound comes from per-batch sizes that it splits.
+        self._bound_recv = env.get_bool("SGLANG_MORI_RECV_BOUND") and not is_tbo_enabled()
 
     # -- configuration --------------------------------------------------------------------------
 
