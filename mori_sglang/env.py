@@ -131,6 +131,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         minimum=0,
     ),
     EnvVar(
+        "SGLANG_MORI_RECV_BOUND",
+        "1",
+        "SGLang only: 1, without two-batch overlap, hands the experts only SGLang's bound on the rows a "
+        "dispatch can have received (the output's recv_cap); 0: the whole receive buffer. Upstream's "
+        "default is 0 (AITER keeps its own view); on NVIDIA the Triton experts' work grows with the rows.",
+        kind="bool",
+    ),
+    EnvVar(
         "SGLANG_MORI_FP8_TYPE",
         "auto",
         "FP8 flavour on the wire. auto: e4m3fnuz on gfx942, e4m3fn elsewhere.",

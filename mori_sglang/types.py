@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,30 +44,22 @@ def expert_id_error(expert: int, num_experts: int, *, dropped: bool) -> InputErr
 
 @dataclass
 class CombineHandle:
-    """Routing state that lets combine bring each expert output back to its source token.
+    """What combine needs back from a dispatch. Callers pass it through untouched: each provider
+    subclasses it with its own routing record, and only that provider reads the record.
 
-    Source side: ``copy_of_pair`` / ``slot_of_pair`` address the copy of token n sent for top-k slot k
-    (-1 where none). Expert side: ``recv_src`` / ``recv_pos`` are each received row's source rank and
-    position within that source; ``recv_counts`` are rows per source. Host lists are present only where
-    the intranode dispatch already synchronised; the low-latency path never reads them. The native MoRI
-    provider keeps the top-k ids it sent in ``copy_of_pair`` / ``slot_of_pair`` (MoRI v1's combine takes
-    them), the received row count in ``recv_counts`` and, on MoRI's EP v2, v2's routing handle in
-    ``routing``. ``issuer`` and ``dispatch_number`` let the op refuse a handle of another op, or one
-    whose dispatch buffers a later dispatch has reused.
+    ``num_tokens``: the tokens this rank dispatched (the rows combine returns); ``num_recv``: the rows
+    received (on the device). ``issuer`` and ``dispatch_number`` let the op refuse a handle of another
+    op, or one whose dispatch buffers a later dispatch has reused.
     """
 
     num_tokens: int
-    copy_of_pair: torch.Tensor
-    slot_of_pair: torch.Tensor
-    recv_src: torch.Tensor | None
-    recv_pos: torch.Tensor | None
-    recv_counts: torch.Tensor
     num_recv: torch.Tensor
-    send_counts_host: list[int] | None = None
-    recv_counts_host: list[int] | None = None
-    routing: object | None = None
-    issuer: int = 0  # the op whose dispatch made this handle (EpDispatchCombineOp.ident)
-    dispatch_number: int = 0  # which of that op's dispatches
+    issuer: int = field(default=0, kw_only=True)  # the op whose dispatch made this handle (EpDispatchCombineOp.ident)
+    dispatch_number: int = field(default=0, kw_only=True)  # which of that op's dispatches
+
+    def received_rows_on_host(self) -> int | None:
+        """The received row count where the host knows it without a synchronisation, else None."""
+        return None
 
 
 @dataclass

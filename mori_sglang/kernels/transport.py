@@ -399,12 +399,13 @@ def _token_tile(
     BLOCK: tl.constexpr,
 ):
     """The input of a dispatch send work item as it is in memory (bf16 elements to quantize, or the
-    words to copy); an item past the last loads nothing."""
+    words to copy, whatever the tokens' dtype); an item past the last loads nothing."""
     n = item // TILES
     tile = item % TILES
     if QUANT == 0:
         word = tile * BLOCK + tl.arange(0, BLOCK)
-        return tl.load(x_ptr + n * TOKEN_WORDS + word, mask=(word < TOKEN_WORDS) & (item < total))
+        words = x_ptr.to(tl.pointer_type(tl.int32))
+        return tl.load(words + n * TOKEN_WORDS + word, mask=(word < TOKEN_WORDS) & (item < total))
     else:
         elem = tile * TILE_ELEMS + tl.arange(0, TILE_ELEMS)
         return tl.load(x_ptr + n * HIDDEN + elem, mask=(elem < HIDDEN) & (item < total), other=0.0)
@@ -457,7 +458,9 @@ def dispatch_send_kernel(
     no elements. Ids travel as int32, an id that routes nowhere (negative, or past the last expert) as -1.
        A work item is one tile (TILE_GROUPS scale groups, or BLOCK words when copying) of one token, so
     that a small batch still spreads over every program; TILES is the number of tiles of a token, and
-    tile 0 also writes the pad, the weights and the ids.
+    tile 0 also writes the pad, the weights and the ids. The inputs are read as the caller made them:
+    the tokens' words and the scale rows' words whatever their dtype, f32 or 16-bit weights (sent as
+    f32), int32 or int64 ids.
        A program loads its next item's input before it works on the current one, so that two items'
     loads are in flight: the send is bound by the bytes it keeps in flight, and the extra registers
     (99 instead of 80 per thread for fp8, 168 instead of 96 for a copy) cost less than that gains."""
@@ -527,10 +530,10 @@ def dispatch_send_kernel(
             first_pad = SCALE_WORDS if QUANT else 0
             in_row = tl.arange(0, PAD_BLOCK)
             region = (in_row >= first_pad) & (in_row < STRIDE_WORDS)
-            src = scales_ptr + n * SCALE_WORDS + in_row
+            src = scales_ptr.to(tl.pointer_type(tl.int32)) + n * SCALE_WORDS + in_row
             scale_words = tl.load(src, mask=region & (in_row < SCALE_WORDS), other=0)
             _store_all(rows, SCALE_AT * 4, in_row, scale_words, region, present, PAD_BLOCK, KP)
-            weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask)
+            weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask).to(tl.float32)
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
             ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
             ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -47,3 +48,33 @@ class DeviceStatus:
         if self._on_gpu and not torch.cuda.is_current_stream_capturing():
             self._host.copy_(self.flags, non_blocking=True)
             self._event.record()
+
+
+class MappedStatus:
+    """A small int64 vector kernels set (0 = fine), in host memory that kernels write through: pinned
+    memory on a GPU, which the device addresses directly (unified addressing), a plain tensor on CPU.
+    The host reads it at any time without a copy, an event or a synchronisation, so a step moves
+    nothing from the device to the host; a flag set by a step shows at a later call (or at once after
+    a synchronisation). Kernels write it only when something went wrong."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.flags = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._words = (ctypes.c_int64 * size).from_address(self.flags.data_ptr())
+
+    def read(self) -> list[int]:
+        """The flags now, cleared for the next step."""
+        values = list(self._words)
+        for i, value in enumerate(values):
+            if value:
+                self._words[i] = 0
+        return values
+
+    def pending(self) -> bool:
+        """Whether a flag is raised (never waits)."""
+        return any(self._words)
+
+    def after_step(self, raise_flags: Callable[[], None]) -> None:
+        """End of a receive: ``raise_flags`` (the provider's check, which reads the flags and raises)
+        if a step before this one raised a flag."""
+        if self.pending():
+            raise_flags()

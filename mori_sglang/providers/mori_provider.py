@@ -20,6 +20,14 @@ import torch.distributed as dist
 
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.providers.base import (
+    ALL_DISPATCH,
+    ALL_MODES,
+    OUR_COMBINE_FORMATS,
+    Capabilities,
+    EpProvider,
+    ProviderSetup,
+)
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.types import expert_id_error
 
@@ -95,16 +103,27 @@ def mori_token_dtype(config: EpConfig, payload_dtype: torch.dtype) -> torch.dtyp
     return torch.float4_e2m1fn_x2 if config.dispatch_dtype is DispatchDtype.MXFP4 else payload_dtype
 
 
-class MoriProvider:
-    """Our op API over a native MoRI op; ``MoriProvider(...)`` builds the v1 or the v2 one."""
+class MoriProvider(EpProvider):
+    """Our op API over a native MoRI op; ``MoriProvider(setup)`` builds the v1 or the v2 one."""
 
     name = "mori"
-    fused_quantization: frozenset[DispatchDtype] = frozenset()
-    keeps_old_handles = False  # MoRI's combine reads the state of the op's last dispatch
+    display_name = "native MoRI"
+    capabilities = Capabilities(
+        dispatch_formats=ALL_DISPATCH,
+        combine_formats=OUR_COMBINE_FORMATS | {CombineDtype.FP4_BLOCKWISE},
+        fused_quantization=frozenset(),
+        # On a GPU a bad id raises at the next receive; on a CPU (MoRI's stand-in) the op checks ids
+        # before sending (a synchronisation costs nothing there).
+        id_checks_on_device=frozenset({"cuda"}),
+        modes=ALL_MODES,
+        loopback=False,  # MoRI's shmem spans processes
+        keeps_old_handles=False,  # MoRI's combine reads the state of the op's last dispatch
+        format_notes={CombineDtype.FP4_BLOCKWISE: "MoRI's own fp4 combine, on gfx950 only"},
+    )
 
-    def __new__(cls, config: EpConfig, *args: object, **kwargs: object) -> MoriProvider:
+    def __new__(cls, setup: ProviderSetup) -> MoriProvider:
         if cls is MoriProvider:
-            if uses_ep_v2(config):
+            if uses_ep_v2(setup.config):
                 from mori_sglang.providers.mori_v2 import MoriV2Provider
 
                 cls = MoriV2Provider
@@ -114,21 +133,11 @@ class MoriProvider:
                 cls = MoriV1Provider
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        config: EpConfig,
-        device: torch.device,
-        layout: formats.DispatchRowLayout,
-        payload_dtype: torch.dtype,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
-        self.config = config
-        self.layout = layout
-        self.token_dtype = mori_token_dtype(config, payload_dtype)
-        # On a GPU the ids are checked on the device and a bad one raises at the next receive; on CPU
-        # the op checks them before sending (a synchronisation costs nothing there).
-        self.checks_ids_on_device = device.type == "cuda"
-        self._status = DeviceStatus(1, device)  # the largest expert id past the last, minus (num_experts - 1)
+    def __init__(self, setup: ProviderSetup) -> None:
+        self.config = setup.config
+        self.layout = setup.layout
+        self.token_dtype = mori_token_dtype(setup.config, setup.payload_dtype)
+        self._status = DeviceStatus(1, setup.device)  # the largest expert id past the last, minus (num_experts - 1)
 
     def check_status(self) -> None:
         """Raise if a dispatch met an expert id past the last expert (those copies were dropped)."""

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.providers import mori_ids
+from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.mori_provider import GPUS_PER_NODE, MoriProvider, init_shmem
 from mori_sglang.types import CombineHandle, DispatchOutput
 
@@ -122,24 +124,25 @@ def _compute_units(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@dataclass
+class MoriV1Handle(CombineHandle):
+    """MoRI v1's combine takes the top-k ids this rank dispatched (as MoRI saw them): they are the routing."""
+
+    sent_ids: torch.Tensor
+
+
 class MoriV1Provider(MoriProvider):
     """Our op API over one ``mori.ops.EpDispatchCombineOp``."""
 
-    def __init__(
-        self,
-        config: EpConfig,
-        device: torch.device,
-        layout: formats.DispatchRowLayout,
-        payload_dtype: torch.dtype,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
+    def __init__(self, setup: ProviderSetup) -> None:
         import mori
 
-        super().__init__(config, device, layout, payload_dtype, group)
+        super().__init__(setup)
+        config, device, layout, group = setup.config, setup.device, setup.layout, setup.group
         self.kernel = kernel_type_name(config)
         check_combine_quantization(config, self.kernel)
         init_shmem(group or dist.group.WORLD)
-        kwargs = mori_config_kwargs(config, layout, self.token_dtype, payload_dtype, _compute_units(device))
+        kwargs = mori_config_kwargs(config, layout, self.token_dtype, setup.payload_dtype, _compute_units(device))
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)
         # Older MoRI releases lack some fields (quant_type, rdma_block_num...): pass what this one has.
         fields = {f.name for f in dataclasses.fields(mori.ops.EpDispatchCombineConfig)}
@@ -203,15 +206,7 @@ class MoriV1Provider(MoriProvider):
             if scales is None:  # some MoRI releases return none for an empty batch
                 scales = torch.zeros(tokens.shape[0], layout.scale_stride, dtype=torch.uint8, device=tokens.device)
             scale_view = scales.view(torch.uint8)[:, : layout.scale_bytes]
-        handle = CombineHandle(  # MoRI's combine takes this rank's own ids: they stand in for the slots
-            num_tokens=self._num_tokens,
-            copy_of_pair=self._sent_ids,
-            slot_of_pair=self._sent_ids,
-            recv_src=None,
-            recv_pos=None,
-            recv_counts=num_recv,
-            num_recv=num_recv,
-        )
+        handle = MoriV1Handle(num_tokens=self._num_tokens, num_recv=num_recv, sent_ids=self._sent_ids)
         return DispatchOutput(
             tokens=tokens.view(torch.uint8).view(token_dtype),
             topk_weights=weights,
@@ -226,7 +221,8 @@ class MoriV1Provider(MoriProvider):
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         """MoRI sums the returned rows unweighted: the expert side applied the weights already."""
-        ids = handle.copy_of_pair  # the ids this rank dispatched, which MoRI's combine takes
+        assert isinstance(handle, MoriV1Handle)  # the op passes back only this provider's handles
+        ids = handle.sent_ids
         y = y.to(torch.bfloat16).contiguous()
         self._num_tokens = handle.num_tokens
         send = self.op.combine_send if self._split else self.op.combine

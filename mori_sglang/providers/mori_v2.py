@@ -14,6 +14,7 @@ host with a bf16 combine (``mori_provider.uses_ep_v2``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from mori_sglang import env, formats
 from mori_sglang.config import DispatchDtype, EpConfig
 from mori_sglang.providers import mori_ids
+from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.mori_provider import MoriProvider
 from mori_sglang.types import CombineHandle, DispatchOutput
 
@@ -51,21 +53,22 @@ def window_bytes(config: EpConfig, layout: formats.DispatchRowLayout) -> int:
     return max(MIN_WINDOW_GIB, math.ceil(total / (1 << 30))) * (1 << 30)
 
 
+@dataclass
+class MoriV2Handle(CombineHandle):
+    """EP v2's combine takes the routing handle its dispatch returned (``return_routing=True``)."""
+
+    routing: object
+
+
 class MoriV2Provider(MoriProvider):
     """Our op API over one ``mori.ops.dispatch_combine_v2.EpDispatchCombineOp`` (hip backend)."""
 
-    def __init__(
-        self,
-        config: EpConfig,
-        device: torch.device,
-        layout: formats.DispatchRowLayout,
-        payload_dtype: torch.dtype,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
+    def __init__(self, setup: ProviderSetup) -> None:
         from mori.cco import Communicator
         from mori.ops import dispatch_combine_v2 as v2
 
-        super().__init__(config, device, layout, payload_dtype, group)
+        super().__init__(setup)
+        config, layout, group = setup.config, setup.layout, setup.group
         self.kernel = "v2"
         group = group or dist.group.WORLD
         unique_id = [Communicator.get_unique_id() if config.rank == 0 else None]
@@ -134,16 +137,7 @@ class MoriV2Provider(MoriProvider):
         scale_view = None
         if layout.scale_bytes:
             scale_view = scales.view(torch.uint8)[:, : layout.scale_bytes]
-        handle = CombineHandle(  # the routing handle stands in for the slots
-            num_tokens=routing.cur_rank_num_token,
-            copy_of_pair=routing.disp_dest_tok_id_map,
-            slot_of_pair=routing.disp_dest_tok_id_map,
-            recv_src=None,
-            recv_pos=None,
-            recv_counts=num_recv,
-            num_recv=num_recv,
-            routing=routing,
-        )
+        handle = MoriV2Handle(num_tokens=routing.cur_rank_num_token, num_recv=num_recv, routing=routing)
         return DispatchOutput(
             tokens=tokens.view(torch.uint8).view(token_dtype),
             topk_weights=weights,
@@ -158,6 +152,7 @@ class MoriV2Provider(MoriProvider):
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         """MoRI sums the returned rows unweighted: the expert side applied the weights already."""
+        assert isinstance(handle, MoriV2Handle)  # the op passes back only this provider's handles
         self._combined = self.op.combine(y.to(torch.bfloat16).contiguous(), None, None, routing=handle.routing)[0]
 
     def combine_recv(self) -> torch.Tensor:

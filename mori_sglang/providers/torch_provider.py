@@ -12,11 +12,42 @@ from dataclasses import dataclass
 import torch
 
 from mori_sglang import formats
-from mori_sglang.config import EpConfig, Mode
-from mori_sglang.exchange import Exchange, Pending
+from mori_sglang.config import ConfigError, Mode
+from mori_sglang.exchange import DistExchange, Exchange, LoopbackExchange, Pending
+from mori_sglang.providers.base import (
+    ALL_DISPATCH,
+    ALL_MODES,
+    OUR_COMBINE_FORMATS,
+    Capabilities,
+    EpProvider,
+    ProviderSetup,
+)
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.routing import SendPlan, plan_dispatch, source_of_rows
 from mori_sglang.types import CombineHandle, DispatchOutput, short_expert_outputs_error
+
+
+@dataclass
+class ExchangeHandle(CombineHandle):
+    """The torch provider's routing record: every tensor is the handle's own, so any earlier dispatch's
+    handle stays valid.
+
+    Source side: ``copy_of_pair`` / ``slot_of_pair`` address the copy of token n sent for top-k slot k
+    (-1 where none), in the exact exchange and in the fixed per-source slots. Expert side: ``recv_src`` /
+    ``recv_pos`` are each received row's source rank and position within that source; ``recv_counts``
+    are rows per source. The host lists are present only where the intranode dispatch synchronised.
+    """
+
+    copy_of_pair: torch.Tensor
+    slot_of_pair: torch.Tensor
+    recv_src: torch.Tensor
+    recv_pos: torch.Tensor
+    recv_counts: torch.Tensor
+    send_counts_host: list[int] | None = None
+    recv_counts_host: list[int] | None = None
+
+    def received_rows_on_host(self) -> int | None:
+        return None if self.recv_counts_host is None else sum(self.recv_counts_host)
 
 
 @dataclass
@@ -29,29 +60,37 @@ class _PendingDispatch:
 
 @dataclass
 class _PendingCombine:
-    handle: CombineHandle
+    handle: ExchangeHandle
     rows: Pending
     fixed_slots: bool
 
 
-class TorchProvider:
+class TorchProvider(EpProvider):
     """Dispatch/combine for one rank over an Exchange (a ProcessGroup or a loopback world)."""
 
     name = "torch"
-    fused_quantization: frozenset = frozenset()
-    # Every handle holds tensors of its own: a combine may use an older dispatch's handle.
-    keeps_old_handles = True
+    display_name = "torch"
+    capabilities = Capabilities(
+        dispatch_formats=ALL_DISPATCH,
+        combine_formats=OUR_COMBINE_FORMATS,
+        fused_quantization=frozenset(),
+        id_checks_on_device=frozenset(),
+        modes=ALL_MODES,
+        loopback=True,
+        keeps_old_handles=True,
+    )
 
-    def __init__(self, config: EpConfig, exchange: Exchange, device: torch.device, fp8_dtype: torch.dtype):
+    def __init__(self, setup: ProviderSetup) -> None:
+        config = setup.config
         self.config = config
-        self.exchange = exchange
-        self.device = device
-        self.fp8_dtype = fp8_dtype
+        self.exchange = _exchange(setup)
+        self.device = setup.device
+        self.fp8_dtype = setup.fp8_dtype
         self._dispatch: _PendingDispatch | None = None
         self._combine: _PendingCombine | None = None
         # 1 + the rows a low-latency combine needed where the expert outputs held fewer (compared on the
         # device: that mode never synchronises with the host).
-        self._status = DeviceStatus(1, device)
+        self._status = DeviceStatus(1, setup.device)
 
     def check_status(self) -> None:
         """Raise if a combine got fewer expert output rows than its dispatch received."""
@@ -68,7 +107,10 @@ class TorchProvider:
         weights: torch.Tensor,
         ids: torch.Tensor,
         layout: formats.DispatchRowLayout,
+        quantize: bool = False,
     ) -> None:
+        if quantize:
+            raise RuntimeError("the torch provider carries quantized tokens (it fuses no quantization)")
         cfg = self.config
         plan = plan_dispatch(ids, cfg.num_local_experts, cfg.world_size, cfg.max_tokens_per_rank)
         n = payload.shape[0]
@@ -115,7 +157,7 @@ class TorchProvider:
             rows[: recv.shape[0]] = recv
             num_recv = torch.tensor([recv.shape[0]], dtype=torch.int32, device=self.device)
             send_counts_host = pending.plan.send_counts.tolist()
-        handle = CombineHandle(
+        handle = ExchangeHandle(
             num_tokens=pending.num_tokens,
             copy_of_pair=pending.plan.copy_of_pair,
             slot_of_pair=pending.plan.slot_of_pair,
@@ -147,6 +189,7 @@ class TorchProvider:
         return formats.quantize_combine(y, cfg.combine_dtype, self.fp8_dtype, cfg.combine_block)
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        assert isinstance(handle, ExchangeHandle)  # the op passes back only this provider's handles
         cfg = self.config
         if cfg.combine_mode is Mode.LOW_LATENCY:
             slots = cfg.world_size * cfg.max_tokens_per_rank
@@ -183,6 +226,20 @@ class TorchProvider:
         address = handle.slot_of_pair if pending.fixed_slots else handle.copy_of_pair
         self._status.after_step(self.check_status)  # short expert outputs raise (on a GPU one call later)
         return accumulate_copies(values, address)
+
+
+def _exchange(setup: ProviderSetup) -> Exchange:
+    """The loopback world's mailbox, or the process group's all_to_all, checked against the config."""
+    config = setup.config
+    if setup.loopback is not None:
+        return LoopbackExchange(setup.loopback, config.rank)
+    exchange = DistExchange(setup.group, config.peer_timeout_s)
+    if exchange.world_size != config.world_size or exchange.rank != config.rank:
+        raise ConfigError(
+            f"config says rank {config.rank} of {config.world_size}, the process group says "
+            f"rank {exchange.rank} of {exchange.world_size}"
+        )
+    return exchange
 
 
 def accumulate_copies(values: torch.Tensor, address: torch.Tensor) -> torch.Tensor:

@@ -2,14 +2,17 @@
 
 Both modes use fixed per-source slots, so a send never waits for a count exchange: intranode mode
 is the send and the receive back to back, low-latency mode returns after the send. Outputs live in
-buffers owned by the op and are overwritten by the next call, as with native MoRI; nothing allocates
-or synchronises with the host on the hot path, so the calls can be captured in a CUDA graph.
+buffers owned by the op and are overwritten by the next call, as with native MoRI; nothing allocates,
+converts or synchronises with the host on the hot path, so the calls can be captured in a CUDA graph.
+Each kernel launch is bound once per batch size (``BoundLaunch``): a step re-launches with the least
+Python, and runs no torch operation at all for inputs in the documented layout.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -20,10 +23,18 @@ import triton.language as tl
 
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
-from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels import interpreter, transport
+from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.providers.arena import Arena, ArenaLayout
-from mori_sglang.providers.device_status import DeviceStatus
+from mori_sglang.providers.base import (
+    ALL_DISPATCH,
+    ALL_MODES,
+    OUR_COMBINE_FORMATS,
+    Capabilities,
+    EpProvider,
+    ProviderSetup,
+)
+from mori_sglang.providers.device_status import MappedStatus
 from mori_sglang.types import (
     CombineHandle,
     DispatchOutput,
@@ -141,26 +152,36 @@ def clock_kind(device: torch.device) -> int:
     return transport.CLOCK_HIP if torch.version.hip else transport.CLOCK_CUDA
 
 
-class TritonProvider:
+@dataclass
+class SlotHandle(CombineHandle):
+    """The Triton provider's routing record: views of the op's buffers, valid until the next dispatch.
+
+    ``slot_of_pair[n, k]``: the fixed slot the copy of token n for top-k slot k went to (-1: none);
+    ``recv_counts``: the rows received from each source.
+    """
+
+    slot_of_pair: torch.Tensor
+    recv_counts: torch.Tensor
+
+
+class TritonProvider(EpProvider):
     """Expert ids are range-checked by the routing kernel, on the device: no host sync per dispatch."""
 
     name = "triton"
-    fused_quantization = frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4})
-    checks_ids_on_device = True
-    keeps_old_handles = False  # handles point at the op's buffers, which the next dispatch reuses
+    display_name = "triton"
+    capabilities = Capabilities(
+        dispatch_formats=ALL_DISPATCH,
+        combine_formats=OUR_COMBINE_FORMATS,
+        fused_quantization=frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4}),
+        id_checks_on_device=frozenset({"cuda", "cpu"}),  # the routing kernel, compiled or interpreted
+        modes=ALL_MODES,
+        loopback=True,
+        keeps_old_handles=False,  # handles point at the op's buffers, which the next dispatch reuses
+    )
 
-    def __init__(
-        self,
-        config: EpConfig,
-        device: torch.device,
-        fp8_dtype: torch.dtype,
-        layout: formats.DispatchRowLayout,
-        *,
-        group: dist.ProcessGroup | None = None,
-        loopback: LoopbackHub | None = None,
-        programs: int | None = None,
-        tuning: KernelTuning | None = None,
-    ) -> None:
+    def __init__(self, setup: ProviderSetup) -> None:
+        config, device, fp8_dtype, layout = setup.config, setup.device, setup.fp8_dtype, setup.layout
+        group, loopback = setup.group, setup.loopback
         if device.type == "cpu":
             if not interpreter.interpreting():
                 raise ConfigError(
@@ -174,8 +195,7 @@ class TritonProvider:
         self.fp8_dtype = fp8_dtype
         self.peer_timeout_s = config.peer_timeout_s
         self._clock = clock_kind(device)
-        self.tuning = tuning or KernelTuning()
-        self._programs = programs
+        self._tuning = KernelTuning()
         self._sms = multiprocessors(device)
         # Every launch takes these: the kernels' PDL switch and the launch option go together (transport docs).
         self._pdl_launch = {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
@@ -198,7 +218,7 @@ class TritonProvider:
         self._tickets = torch.zeros(len(TICKETS), dtype=torch.int32, device=device)
         # status[0]: 1 + a peer a receive gave up on; status[1]: the largest expert id past the last minus
         # (num_experts - 1); status[2]: 1 + the rows a combine needed where the expert outputs held fewer.
-        self._status = DeviceStatus(3, device)
+        self._status = MappedStatus(3, device)
         self._no_rows = torch.zeros(1, config.hidden, dtype=torch.bfloat16, device=device)
         self.tokens_out = torch.empty(capacity, _words(layout.token_bytes), dtype=torch.int32, device=device)
         self.scales_out = torch.empty(capacity, _words(layout.scale_stride), dtype=torch.int32, device=device)
@@ -210,19 +230,50 @@ class TritonProvider:
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
-        self._slot_of_pair: torch.Tensor | None = None  # from a dispatch_send until its receive
-        # Each copy's destination row address, made by the routing for the send right after it.
+        # Each copy's slot (for the combine) and destination row address (for the send right after the
+        # routing), made by the routing; a dispatch's handle views the first rows.
+        self._slot_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
         self._row_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
-        self._num_tokens = 0
-        self._combine_handle: CombineHandle | None = None
+        self.combined_out = torch.empty(config.max_tokens_per_rank, config.hidden, dtype=torch.bfloat16, device=device)
+        self._sent: int | None = None  # the batch size of the dispatch sent and not yet received
+        self._combine_handle: SlotHandle | None = None
         self.fp8_name = TRITON_FP8[fp8_dtype]
+        self._launches: dict[tuple, object] = {}  # bound launches and views, by what they depend on
+
+    # -- bound launches -----------------------------------------------------------------------
+
+    @property
+    def tuning(self) -> KernelTuning:
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, tuning: KernelTuning) -> None:
+        self._tuning = tuning
+        self._launches.clear()
+
+    def _cached(self, key: tuple, make: Callable[..., object], *args: object):
+        """What ``make(*args)`` builds for ``key`` (a launch plan or a view), built on first use."""
+        found = self._launches.get(key)
+        if found is None:
+            found = self._launches[key] = make(*args)
+        return found
+
+    def launch_count(self) -> int:
+        """Kernel launches so far, over every bound launch (a test's and a benchmark's counter)."""
+        return sum(
+            launch.launches
+            for plan in self._launches.values()
+            for launch in (plan if isinstance(plan, tuple) else (plan,))
+            if isinstance(launch, BoundLaunch)
+        )
+
+    def _bind(self, kernel, grid: tuple[int, ...], args: dict, options: dict, variable=()) -> BoundLaunch:
+        return BoundLaunch(kernel, self.device, grid, args, {**options, **self._pdl_launch}, variable)
 
     # -- bookkeeping --------------------------------------------------------------------------
 
     def _program_count(self, per_sm: int) -> int:
-        """Programs of a kernel: ``per_sm`` per multiprocessor, unless fixed at construction."""
-        if self._programs:
-            return self._programs
+        """Programs of a kernel: ``per_sm`` per multiprocessor (a fixed count in the interpreter)."""
         return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
 
     def _grid(self, per_sm: int, items: int) -> tuple[int]:
@@ -263,47 +314,70 @@ class TritonProvider:
         quantize: bool = False,
     ) -> None:
         """Send each token's row to its destinations; ``quantize``: ``payload`` is bf16, quantize it
-        to the dispatch dtype on the way, once per token whatever the number of destinations."""
+        to the dispatch dtype on the way, once per token whatever the number of destinations. The
+        kernels read the tensors as they are (int32 or int64 ids, f32 or 16-bit weights, tokens of any
+        dtype as words); only a tensor that is not contiguous is copied."""
         self._ensure_peers()
+        num_tokens = payload.shape[0]
+        with_scales = scales is not None
+        route_count, route, send = self._cached(
+            ("dispatch", num_tokens, quantize, with_scales),
+            self._dispatch_launches,
+            num_tokens,
+            layout,
+            quantize,
+            with_scales,
+        )
+        ids = _contiguous(ids)
+        if route_count is not None:
+            route_count(ids)
+        route(ids)
+        if with_scales:
+            send(_contiguous(payload), _contiguous(weights), ids, _contiguous(scales))
+        else:
+            send(_contiguous(payload), _contiguous(weights), ids)
+        self._sent = num_tokens
+
+    def _dispatch_launches(
+        self, num_tokens: int, layout: formats.DispatchRowLayout, quantize: bool, with_scales: bool
+    ) -> tuple[BoundLaunch | None, BoundLaunch, BoundLaunch]:
+        """The routing (one or two kernels) and the send of a batch of ``num_tokens``."""
         cfg = self.config
-        self._num_tokens = payload.shape[0]
-        # Any conversion kernel runs before the routing, so that the send follows the routing directly.
-        ids = ids.contiguous()
-        x = payload.contiguous() if quantize else payload.contiguous().view(torch.uint8).view(torch.int32)
-        scale_words = scales.contiguous().view(torch.int32) if scales is not None else self._no_scales
-        weight_words = weights.float().contiguous().view(torch.int32)
-        self._slot_of_pair = torch.empty(self._num_tokens, cfg.topk, dtype=torch.int64, device=self.device)
-        row_of_pair = self._row_of_pair[: self._num_tokens]
         # Programs (destination, block of tokens); a batch of several blocks counts per block first.
-        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(self._num_tokens), MIN_TILE))
-        blocks = max(1, triton.cdiv(self._num_tokens, route_block))
+        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(num_tokens), MIN_TILE))
+        blocks = max(1, triton.cdiv(num_tokens, route_block))
         route_meta = {
             "K": cfg.topk,
             "KP": triton.next_power_of_2(cfg.topk),
             "BLOCK_N": route_block,
             "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
-            **self._pdl_launch,
         }
+        experts = {"num_tokens": num_tokens, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_local_experts}
+        route_count = None
         if blocks > 1:
-            transport.route_count_kernel[(cfg.world_size, blocks)](
-                ids, self._block_counts, self._num_tokens, cfg.num_experts, cfg.num_local_experts, **route_meta
+            route_count = self._bind(
+                transport.route_count_kernel,
+                (cfg.world_size, blocks),
+                {"block_counts_ptr": self._block_counts, **experts},
+                route_meta,
+                ("ids_ptr",),
             )
-        transport.route_kernel[(cfg.world_size, blocks)](
-            ids,
-            self.arena.peer_bases,
-            self._slot_of_pair,
-            row_of_pair,
-            self._block_counts,
-            self.send_counts,
-            self._status.flags,
-            self._num_tokens,
-            cfg.num_experts,
-            cfg.num_local_experts,
-            cfg.rank,
-            cfg.max_tokens_per_rank,
-            ROW_BYTES=layout.row_bytes,
-            NBP=triton.next_power_of_2(blocks) if blocks > 1 else 1,
-            **route_meta,
+        route = self._bind(
+            transport.route_kernel,
+            (cfg.world_size, blocks),
+            {
+                "peer_bases": self.arena.peer_bases,
+                "slot_of_pair_ptr": self._slot_of_pair,
+                "row_of_pair_ptr": self._row_of_pair,
+                "block_counts_ptr": self._block_counts,
+                "send_counts_ptr": self.send_counts,
+                "status_ptr": self._status.flags,
+                **experts,
+                "rank": cfg.rank,
+                "max_tokens": cfg.max_tokens_per_rank,
+            },
+            {**route_meta, "ROW_BYTES": layout.row_bytes, "NBP": triton.next_power_of_2(blocks) if blocks > 1 else 1},
+            ("ids_ptr",),
         )
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         tile_groups = max(1, self.tuning.send_tile // group)
@@ -312,39 +386,45 @@ class TritonProvider:
             scale_entries = layout.scale_bytes // (4 if cfg.dispatch_dtype is DispatchDtype.FP8 else 1)
             tiles = triton.cdiv(scale_entries, tile_groups)
         else:
-            tiles = triton.cdiv(x.shape[1], self.tuning.copy_block)
-        transport.dispatch_send_kernel[self._grid(self.tuning.send_programs_per_sm, self._num_tokens * tiles)](
-            self.arena.peer_bases,
-            x,
-            scale_words,
-            weight_words,
-            ids,
-            row_of_pair,
-            self.send_counts,
-            self._ticket("dispatch_send"),
-            self.rounds[0],
-            self._num_tokens,
-            cfg.num_experts,
-            cfg.rank,
-            self.arena_layout.counts_offset,
-            self.arena_layout.dispatch_arrivals_offset,
-            **self._row_meta(layout),
-            WP=triton.next_power_of_2(cfg.world_size),
-            SCALE_WORDS=_words(layout.scale_bytes),
-            BLOCK=self.tuning.copy_block,
-            PAD_BLOCK=triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
-            TILES=tiles,
-            QUANT=QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
-            HIDDEN=cfg.hidden,
-            GROUP=group,
-            TILE_GROUPS=tile_groups,
-            FP8_MAX=formats.fp8_max(self.fp8_dtype),
-            FP8=self.fp8_name,
-            EMAX=formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
-            enable_fp_fusion=False,
-            num_warps=self.tuning.send_warps,
-            **self._pdl_launch,
+            tiles = triton.cdiv(_words(layout.token_bytes), self.tuning.copy_block)
+        fixed = {
+            "peer_bases": self.arena.peer_bases,
+            "row_of_pair_ptr": self._row_of_pair,
+            "send_counts_ptr": self.send_counts,
+            "tickets_ptr": self._ticket("dispatch_send"),
+            "round_ptr": self.rounds[0],
+            "num_tokens": num_tokens,
+            "num_experts": cfg.num_experts,
+            "rank": cfg.rank,
+            "counts_offset": self.arena_layout.counts_offset,
+            "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
+        }
+        if not with_scales:
+            fixed["scales_ptr"] = self._no_scales
+        send = self._bind(
+            transport.dispatch_send_kernel,
+            self._grid(self.tuning.send_programs_per_sm, num_tokens * tiles),
+            fixed,
+            {
+                **self._row_meta(layout),
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "SCALE_WORDS": _words(layout.scale_bytes),
+                "BLOCK": self.tuning.copy_block,
+                "PAD_BLOCK": triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
+                "TILES": tiles,
+                "QUANT": QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
+                "HIDDEN": cfg.hidden,
+                "GROUP": group,
+                "TILE_GROUPS": tile_groups,
+                "FP8_MAX": formats.fp8_max(self.fp8_dtype),
+                "FP8": self.fp8_name,
+                "EMAX": formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
+                "enable_fp_fusion": False,
+                "num_warps": self.tuning.send_warps,
+            },
+            ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
+        return route_count, route, send
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
         """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""
@@ -366,58 +446,74 @@ class TritonProvider:
         self.check_status()
         raise RuntimeError(f"{kind}_recv called without a {kind}_send before it (each send is received once)")
 
-    def _wait_args(self, round_index: int) -> tuple:
+    def _wait_args(self, round_index: int) -> dict[str, object]:
         """The receive kernels' round, status and deadline arguments."""
-        return (self.rounds[round_index], self._status.flags, int(self.peer_timeout_s * 1e9))
+        return {
+            "round_ptr": self.rounds[round_index],
+            "status_ptr": self._status.flags,
+            "timeout_ns": int(self.peer_timeout_s * 1e9),
+        }
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
-        if self._slot_of_pair is None:
+        if self._sent is None:
             self._refuse_receive("dispatch")
-        slot_of_pair, self._slot_of_pair = self._slot_of_pair, None  # each send is received once
-        cfg = self.config
-        programs_per_sm = self.tuning.dispatch_recv_programs_per_sm(layout.row_bytes)
-        transport.dispatch_recv_kernel[self._grid(programs_per_sm, self.arena_layout.slots)](
-            self.arena.base,
-            self.tokens_out,
-            self.scales_out,
-            self.weights_out.view(torch.int32),
-            self.ids_out,
-            self.num_recv,
-            self.recv_counts,
-            *self._wait_args(0),
-            cfg.max_tokens_per_rank,
-            self.arena_layout.counts_offset,
-            self.arena_layout.dispatch_arrivals_offset,
-            **self._row_meta(layout),
-            ROW_WORDS=_words(layout.row_bytes),
-            WP=triton.next_power_of_2(cfg.world_size),
-            BLOCK=self.tuning.copy_block,
-            SCALE_BLOCK=triton.next_power_of_2(max(1, _words(layout.scale_stride))),
-            CLOCK=self._clock,
-            num_warps=self.tuning.recv_warps,
-            **self._pdl_launch,
-        )
+        num_tokens, self._sent = self._sent, None  # each send is received once
+        recv = self._cached(("dispatch_recv",), self._dispatch_recv_launch, layout)
+        recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
-        handle = CombineHandle(
-            num_tokens=self._num_tokens,
-            copy_of_pair=slot_of_pair,
-            slot_of_pair=slot_of_pair,
-            recv_src=None,
-            recv_pos=None,
-            recv_counts=self.recv_counts,
+        slots = self._cached(("slot_of_pair", num_tokens), self._slot_of_pair.narrow, 0, 0, num_tokens)
+        handle = SlotHandle(
+            num_tokens=num_tokens,
             num_recv=self.num_recv,
+            slot_of_pair=slots,
+            recv_counts=self.recv_counts,
         )
-        scales = None
-        if layout.scale_bytes:
-            scales = self.scales_out.view(torch.uint8)[:, : layout.scale_bytes]
+        tokens, scales = self._cached(("dispatch_out", token_dtype), self._dispatch_views, layout, token_dtype)
         return DispatchOutput(
-            tokens=self.tokens_out.view(torch.uint8).view(token_dtype),
+            tokens=tokens,
             topk_weights=self.weights_out,
             topk_ids=self.ids_out,
             scales=scales,
             scale_stride=layout.scale_stride,
             num_recv=self.num_recv,
             handle=handle,
+        )
+
+    def _dispatch_views(
+        self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The received tokens as ``token_dtype`` and the meaningful bytes of their scale rows."""
+        scales = self.scales_out.view(torch.uint8)[:, : layout.scale_bytes] if layout.scale_bytes else None
+        return self.tokens_out.view(torch.uint8).view(token_dtype), scales
+
+    def _dispatch_recv_launch(self, layout: formats.DispatchRowLayout) -> BoundLaunch:
+        cfg = self.config
+        programs_per_sm = self.tuning.dispatch_recv_programs_per_sm(layout.row_bytes)
+        return self._bind(
+            transport.dispatch_recv_kernel,
+            self._grid(programs_per_sm, self.arena_layout.slots),
+            {
+                "arena_ptr": self.arena.base,
+                "tokens_out": self.tokens_out,
+                "scales_out": self.scales_out,
+                "weights_out": self.weights_out.view(torch.int32),
+                "ids_out": self.ids_out,
+                "num_recv_out": self.num_recv,
+                "recv_counts_out": self.recv_counts,
+                **self._wait_args(0),
+                "max_tokens": cfg.max_tokens_per_rank,
+                "counts_offset": self.arena_layout.counts_offset,
+                "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
+            },
+            {
+                **self._row_meta(layout),
+                "ROW_WORDS": _words(layout.row_bytes),
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "BLOCK": self.tuning.copy_block,
+                "SCALE_BLOCK": triton.next_power_of_2(max(1, _words(layout.scale_stride))),
+                "CLOCK": self._clock,
+                "num_warps": self.tuning.recv_warps,
+            },
         )
 
     # -- combine ------------------------------------------------------------------------------
@@ -443,7 +539,14 @@ class TritonProvider:
         }
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        assert isinstance(handle, SlotHandle)  # the op passes back only this provider's handles
         self._ensure_peers()
+        send = self._cached(("combine_send",), self._combine_send_launch)
+        rows = y.shape[0]
+        send(_contiguous(y) if rows else self._no_rows, rows)
+        self._combine_handle = handle
+
+    def _combine_send_launch(self) -> BoundLaunch:
         cfg = self.config
         meta = self._combine_meta(self.tuning.combine_send_tile)
         num_blocks = formats.num_blocks(cfg.hidden, self._combine_block)
@@ -452,40 +555,48 @@ class TritonProvider:
         tile_blocks = meta["TILE_BLOCKS"]
         item_blocks = triton.cdiv(num_blocks, tile_blocks) * tile_blocks if whole_row else tile_blocks
         items = triton.cdiv(num_blocks, item_blocks)
-        transport.combine_send_kernel[
-            self._grid(self.tuning.combine_send_programs_per_sm, self.arena_layout.slots * items)
-        ](
-            self.arena.peer_bases,
-            y.contiguous() if y.shape[0] else self._no_rows,
-            y.shape[0],
-            handle.recv_counts,
-            self._ticket("combine_send"),
-            self.rounds[1],
-            self._status.flags,
-            cfg.rank,
-            cfg.max_tokens_per_rank,
-            self.arena_layout.combine_offset,
-            self.arena_layout.combine_arrivals_offset,
-            **meta,
-            ITEM_BLOCKS=item_blocks,
-            ITEMS=items,
-            FP8_MAX=formats.fp8_max(self.fp8_dtype),
-            MIN_AMAX=formats.min_block_amax(self.fp8_dtype),
-            FP8=self.fp8_name,
-            W=cfg.world_size,
-            WP=triton.next_power_of_2(cfg.world_size),
-            enable_fp_fusion=False,
-            num_warps=self.tuning.combine_send_warps,
-            **self._pdl_launch,
+        return self._bind(
+            transport.combine_send_kernel,
+            self._grid(self.tuning.combine_send_programs_per_sm, self.arena_layout.slots * items),
+            {
+                "peer_bases": self.arena.peer_bases,
+                "recv_counts_ptr": self.recv_counts,
+                "tickets_ptr": self._ticket("combine_send"),
+                "round_ptr": self.rounds[1],
+                "status_ptr": self._status.flags,
+                "rank": cfg.rank,
+                "max_tokens": cfg.max_tokens_per_rank,
+                "combine_offset": self.arena_layout.combine_offset,
+                "arrivals_offset": self.arena_layout.combine_arrivals_offset,
+            },
+            {
+                **meta,
+                "ITEM_BLOCKS": item_blocks,
+                "ITEMS": items,
+                "FP8_MAX": formats.fp8_max(self.fp8_dtype),
+                "MIN_AMAX": formats.min_block_amax(self.fp8_dtype),
+                "FP8": self.fp8_name,
+                "W": cfg.world_size,
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "enable_fp_fusion": False,
+                "num_warps": self.tuning.combine_send_warps,
+            },
+            ("y_ptr", "y_rows"),
         )
-        self._combine_handle = handle
 
     def combine_recv(self) -> torch.Tensor:
         if self._combine_handle is None:
             self._refuse_receive("combine")
         handle, self._combine_handle = self._combine_handle, None
+        num_tokens = handle.num_tokens
+        recv, out = self._cached(("combine_recv", num_tokens), self._combine_recv_launch, num_tokens)
+        recv()
+        self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
+        return out
+
+    def _combine_recv_launch(self, num_tokens: int) -> tuple[BoundLaunch, torch.Tensor]:
+        """The combine receive of a batch of ``num_tokens`` and the view of the output it writes."""
         cfg = self.config
-        out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=self.device)
         tuning = self.tuning
         if cfg.combine_dtype is CombineDtype.BF16:
             tile, warps = tuning.combine_recv_tile, tuning.combine_recv_warps
@@ -493,26 +604,35 @@ class TritonProvider:
             tile, warps = tuning.combine_recv_tile_fp8, tuning.combine_recv_warps_fp8
         meta = self._combine_meta(tile)
         tiles = triton.cdiv(formats.num_blocks(cfg.hidden, self._combine_block), meta["TILE_BLOCKS"])
-        transport.combine_recv_kernel[self._grid(tuning.combine_recv_programs_per_sm, handle.num_tokens * tiles)](
-            self.arena.base,
-            handle.slot_of_pair,
-            out,
-            *self._wait_args(1),
-            handle.num_tokens,
-            self.arena_layout.combine_offset,
-            self.arena_layout.combine_arrivals_offset,
-            **meta,
-            FP8=self.fp8_name,
-            K=cfg.topk,
-            W=cfg.world_size,
-            WP=triton.next_power_of_2(cfg.world_size),
-            CLOCK=self._clock,
-            enable_fp_fusion=False,  # q * scale then + acc, rounded twice, as the torch reference does
-            num_warps=warps,
-            **self._pdl_launch,
+        launch = self._bind(
+            transport.combine_recv_kernel,
+            self._grid(tuning.combine_recv_programs_per_sm, num_tokens * tiles),
+            {
+                "arena_ptr": self.arena.base,
+                "slot_of_pair_ptr": self._slot_of_pair,
+                "out_ptr": self.combined_out,
+                **self._wait_args(1),
+                "num_tokens": num_tokens,
+                "combine_offset": self.arena_layout.combine_offset,
+                "arrivals_offset": self.arena_layout.combine_arrivals_offset,
+            },
+            {
+                **meta,
+                "FP8": self.fp8_name,
+                "K": cfg.topk,
+                "W": cfg.world_size,
+                "WP": triton.next_power_of_2(cfg.world_size),
+                "CLOCK": self._clock,
+                "enable_fp_fusion": False,  # q * scale then + acc, rounded twice, as the torch reference does
+                "num_warps": warps,
+            },
         )
-        self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
-        return out
+        return launch, self.combined_out[:num_tokens]
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied only where it is not contiguous (``Tensor.contiguous`` costs a dispatch even then)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 # The first CUDA whose graphs keep programmatic launch edges (the ops are captured in CUDA graphs).

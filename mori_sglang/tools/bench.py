@@ -7,6 +7,10 @@ Every rank's buffers sit on one device, so the numbers measure the kernels' memo
 the device's own copy bandwidth (measured in the same run), and the torch provider runs the same
 steps beside them as the baseline. Bandwidth follows MoRI's accounting: received rows x row bytes.
 On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test).
+
+``--eager`` also launches every phase from Python, as a server without CUDA graphs does, and reports per
+rank and phase the host time of the calls, the device time of what they queued and the launches they
+made (``EagerRow``), next to the graph numbers.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from mori_sglang import cli, formats
 from mori_sglang.config import EpConfig, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.routing import owning_destinations
-from mori_sglang.tools.measure import copy_bandwidth, identity_expert, time_phases
+from mori_sglang.tools.measure import (
+    PHASES,
+    copy_bandwidth,
+    count_launches,
+    identity_expert,
+    time_eager,
+    time_phases,
+)
 from mori_sglang.tools.workload import add_workload_args, report_progress, speedup_cells, workload_configs
 
 if TYPE_CHECKING:
@@ -54,6 +65,23 @@ class Row:
     combine_send_pct: float
     combine_recv_pct: float
     round_trip_pct: float
+    eager: EagerRow | None = None  # with --eager
+
+
+@dataclass
+class EagerRow:
+    """One step launched from Python, per rank (the loopback world's phase over its ranks), median of the
+    iterations. ``host_us``: the calls' own time, with the device kept busy so that nothing waits for it;
+    ``device_us``: from the first to the last device operation the calls queued (None on CPU);
+    ``launches``: device operations (kernels, copies, fills) per call, from the profiler (None on CPU);
+    ``d2h_copies``: device-to-host copies per step; ``graph_us``: the same phases replayed from a graph."""
+
+    host_us: list[float]
+    device_us: list[float] | None
+    launches: list[float] | None
+    d2h_copies: float | None
+    graph_us: list[float] | None
+    device_kept_busy: bool  # every host measurement ended before the device reached the calls' work
 
 
 def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
@@ -74,8 +102,10 @@ def bench_one(
     graph: bool,
     copy_gbs: float,
     tuning: KernelTuning | None = None,
+    eager: bool = False,
 ) -> tuple[Row, int]:
-    """``tuning``: the Triton provider's kernel tuning to measure (default: its defaults)."""
+    """``tuning``: the Triton provider's kernel tuning to measure (default: its defaults); ``eager``: also
+    time the phases launched from Python (``Row.eager``)."""
     world = LoopbackWorld(cfg, device)
     if tuning is not None:
         for op in world.ops:
@@ -106,18 +136,40 @@ def bench_one(
         for r, op in enumerate(ops):
             results[r] = op.combine_recv()
 
-    phases = [dispatch_send, dispatch_recv, combine_send, combine_recv]
-    for phase in phases[2:]:
+    eager_phases = [dispatch_send, dispatch_recv, combine_send, combine_recv]
+    for phase in eager_phases[2:]:
         phase()
-    if graph and device.type == "cuda":
-        phases = [_capture(p, device) for p in phases]
+    graphed = graph and device.type == "cuda"
+    phases = [_capture(p, device) for p in eager_phases] if graphed else eager_phases
     for phase in phases:  # warm-up
         phase()
     times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
     recv_rows = sum(int(o.num_recv.item()) for o in outs)
     pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in ids)
     assert recv_rows == pairs, (recv_rows, pairs)
-    return _row(cfg, tokens, times, recv_rows, world.ops[0], copy_gbs), recv_rows
+    row = _row(cfg, tokens, times, recv_rows, world.ops[0], copy_gbs)
+    if eager:
+        row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
+        assert sum(int(o.num_recv.item()) for o in outs) == pairs
+    return row, recv_rows
+
+
+def _eager_row(
+    phases: list[Callable[[], None]], device: torch.device, iters: int, world: int, graph_us: list[float] | None
+) -> EagerRow:
+    """Eager timings and launch counts of the four phases, per rank."""
+    for phase in phases:  # warm-up, also of whatever the calls cache
+        phase()
+    host, dev, busy = time_eager(phases, device, iters)
+    counts = [count_launches(p, device) for p in phases]
+    return EagerRow(
+        host_us=[statistics.median(t) * 1e6 / world for t in host],
+        device_us=[statistics.median(t) * 1e6 / world for t in dev] if dev is not None else None,
+        launches=[c[0] / world for c in counts] if counts[0] is not None else None,
+        d2h_copies=sum(c[1] for c in counts) / world if counts[0] is not None else None,
+        graph_us=[t / world for t in graph_us] if graph_us is not None else None,
+        device_kept_busy=busy,
+    )
 
 
 def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -190,6 +242,35 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
     return "\n".join(lines)
 
 
+def eager_markdown(rows: list[Row]) -> str:
+    """The eager table: per rank, host µs, device µs and launches per call, by phase, and the graph's µs."""
+
+    def cells(values: list[float] | None, fmt: str) -> str:
+        if values is None:
+            return " | ".join("-" for _ in range(len(PHASES) + 1))
+        return " | ".join(format(v, fmt) for v in [*values, sum(values)])
+
+    short = "ds | dr | cs | cr | sum"
+    lines = [
+        "eager steps, per rank (ds/dr/cs/cr: dispatch send/recv, combine send/recv; median of the iterations)",
+        "",
+        f"| provider | mode | tokens/rank | dispatch | combine | host µs: {short} | device µs: {short} | "
+        f"graph µs: {short} | launches: {short} | D2H copies | device kept busy |",
+        "| --- | --- | ---: | --- | --- |" + " ---: |" * 21 + " --- |",
+    ]
+    for r in rows:
+        e = r.eager
+        if e is None:
+            continue
+        d2h = "-" if e.d2h_copies is None else f"{e.d2h_copies:g}"
+        lines.append(
+            f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
+            f"{cells(e.host_us, '.1f')} | {cells(e.device_us, '.1f')} | {cells(e.graph_us, '.1f')} | "
+            f"{cells(e.launches, 'g')} | {d2h} | {'yes' if e.device_kept_busy else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(rows: list[Row], path: str) -> None:
     import matplotlib
 
@@ -214,6 +295,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--world", "--world-size", type=cli.positive_int, default=8, help="ranks")
     parser.add_argument("--provider", default="triton", choices=["triton", "torch"])
     parser.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
+    parser.add_argument(
+        "--eager", action="store_true", help="also report host µs, device µs and launches of eager steps per rank"
+    )
     parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--plot", help="write a bar chart (PNG) here")
@@ -229,17 +313,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
     baseline: dict[tuple, Row] = {}
     for done, (cfg, tokens) in enumerate(points, 1):
         start = time.perf_counter()
-        row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw)
+        row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw, eager=args.eager)
         rows.append(row)
         if not args.no_baseline and provider is not Provider.TORCH:
             base_cfg = replace(cfg, provider=Provider.TORCH)
-            base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw)
+            base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw, eager=args.eager)
             baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
             rows.append(base)
         report_progress(done, len(points), cfg, tokens, time.perf_counter() - start)
     if args.max_tokens_per_rank:
         print(f"buffers sized for {args.max_tokens_per_rank} tokens per rank")
     print(markdown(rows, baseline, bw))
+    if args.eager:
+        print()
+        print(eager_markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": bw, "device": str(device), "rows": [asdict(r) for r in rows]}, f, indent=1)

@@ -57,6 +57,75 @@ def time_phases(phases: list[Callable[[], object]], device: torch.device, iters:
     return out
 
 
+# The four calls of a step, in order (the benchmarks time each as a phase over every rank).
+PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+def time_eager(
+    phases: list[Callable[[], object]], device: torch.device, iters: int
+) -> tuple[list[list[float]], list[list[float]] | None, bool]:
+    """Host seconds of each phase's calls and, on a GPU, device seconds of the work they queued, per
+    iteration. On a GPU a sleep kernel runs ahead of each phase, longer than its calls take, so the host
+    time holds no wait for the device (a synchronisation in a call would show as the whole sleep) and the
+    device time no gap for the host. The third value: whether the sleep outlasted the calls every time."""
+    host: list[list[float]] = [[] for _ in phases]
+    if device.type != "cuda":
+        for _ in range(iters):
+            for i, phase in enumerate(phases):
+                t0 = time.perf_counter()
+                phase()
+                host[i].append(time.perf_counter() - t0)
+        return host, None, True
+    dev: list[list[float]] = [[] for _ in phases]
+    cycles_per_s = _sleep_rate(device)
+    sleeps = []
+    for phase in phases:  # each phase's sleep: three times its calls' time, with at most 30 ms
+        t0 = time.perf_counter()
+        phase()
+        sleeps.append(int(cycles_per_s * min(3 * (time.perf_counter() - t0) + 1e-3, 30e-3)))
+        sync(device)
+    busy = True
+    for _ in range(iters):
+        for i, phase in enumerate(phases):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(sleeps[i])
+            start.record()
+            t0 = time.perf_counter()
+            phase()
+            t1 = time.perf_counter()
+            end.record()
+            busy = busy and not start.query()
+            end.synchronize()
+            host[i].append(t1 - t0)
+            dev[i].append(start.elapsed_time(end) / 1e3)
+    return host, dev, busy
+
+
+def _sleep_rate(device: torch.device) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` on this device."""
+    cycles = 10_000_000
+    sync(device)
+    with Stopwatch(device) as watch:
+        torch.cuda._sleep(cycles)
+    return cycles / watch.seconds
+
+
+def count_launches(phase: Callable[[], object], device: torch.device) -> tuple[int, int] | None:
+    """(device operations, of which device-to-host copies) one run of ``phase`` queues, from torch's
+    profiler; None on CPU, where nothing launches."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        phase()
+        sync(device)
+    ops = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(ops), sum("DtoH" in name for name in ops)
+
+
 def roofline_bytes(device: torch.device) -> int:
     """Buffer size of a bandwidth measurement: 1 GiB on a GPU (far past its caches), 64 MiB on CPU."""
     return (1 << 30) if device.type == "cuda" else (1 << 26)

@@ -19,10 +19,8 @@ from mori_sglang import cli
 from mori_sglang.config import Provider
 from mori_sglang.providers.triton_provider import KernelTuning
 from mori_sglang.tools.bench import Row, bench_one
-from mori_sglang.tools.measure import copy_bandwidth
+from mori_sglang.tools.measure import PHASES, copy_bandwidth
 from mori_sglang.tools.workload import add_workload_args, report_progress, workload_configs
-
-PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 def parse_variants(specs: list[str]) -> list[tuple[str, dict[str, int]]]:

@@ -228,7 +228,7 @@ def _run(case: Case) -> None:
     handles = [o.handle for o in outs]
     if case.stale_handle:
         _dispatch(world, case, xs, ws, ids)
-        if not world.ops[0].provider.keeps_old_handles:
+        if not world.ops[0].provider.capabilities.keeps_old_handles:
             with pytest.raises(InputError, match="has since reused its buffers"):
                 world.ops[0].combine_send(ys[0], handles[0])
             return

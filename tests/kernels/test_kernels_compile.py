@@ -89,6 +89,7 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     class Recorder:
         def __init__(self, name: str, kernel) -> None:
             self.name, self.kernel = name, kernel
+            self.arg_names = kernel.arg_names  # what the provider binds launches with
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):

@@ -425,7 +425,8 @@ def _ids_past_the_last_expert(rank: int, world: int) -> None:
     for mode in (Mode.LOW_LATENCY, Mode.INTRANODE):
         cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=mode, provider="mori")
         op = EpDispatchCombineOp(cfg, device="cpu")
-        op.provider.checks_ids_on_device = True
+        on_any_device = frozenset({"cpu", "cuda"})
+        op.provider.capabilities = replace(op.provider.capabilities, id_checks_on_device=on_any_device)
         own = rank * local
         ids = torch.tensor([[EXPERTS + rank, 1, -1], [EXPERTS + 5, -1, -1], [own, own + 1, EXPERTS]])
         op.dispatch_send(torch.randn(3, 256).to(torch.bfloat16), torch.rand(3, TOPK), None, ids)

@@ -46,6 +46,24 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
     assert len(data["rows"]) == 4 and data["copy_gbs"] > 0
 
 
+def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> None:
+    """``--eager`` adds a table of steps launched from Python; on a CPU only the host column has values."""
+    out = tmp_path / "bench.json"
+    text = _run(
+        [sys.executable, "-m", "mori_sglang.tools.bench", "--world", "2", "--tokens", "4", "--mode", "intranode",
+         "--no-baseline", "--eager", "--json", str(out), *SMALL[:-1]],
+        tmp_path,
+    ).stdout  # fmt: skip
+    eager = text[text.index("eager steps, per rank") :]
+    rows = _table_rows(eager[eager.index("| provider") :])
+    assert [(r[0], r[1], r[4]) for r in rows] == [("triton", "intranode", "bf16")]
+    host = [float(cell) for cell in rows[0][5:10]]
+    assert all(h > 0 for h in host) and abs(sum(host[:4]) - host[4]) < 0.2
+    assert rows[0][10:15] == ["-"] * 5  # no device time on a CPU
+    eager_json = json.loads(out.read_text())["rows"][0]["eager"]
+    assert len(eager_json["host_us"]) == 4 and eager_json["launches"] is None
+
+
 def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path) -> None:
     """Decode batches run far below the buffers' capacity in a server: the capacity is its own flag."""
     out = tmp_path / "bench.json"

@@ -1,0 +1,115 @@
+"""The provider contract: what the op hands a transport and what it may expect back.
+
+The op (``mori_sglang.op``) checks every input, quantizes where the provider does not, and then calls
+exactly the methods below; it never looks past them. A provider declares what it can do in
+``capabilities`` (read before it is built, so an unsupported configuration is refused by name), is
+built from one ``ProviderSetup`` and keeps its routing in a ``CombineHandle`` subclass of its own.
+``registry.py`` maps each ``config.Provider`` to its class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from mori_sglang import formats
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.exchange import LoopbackHub
+from mori_sglang.types import CombineHandle, DispatchOutput
+
+ALL_DISPATCH = frozenset(DispatchDtype)
+ALL_MODES = frozenset(Mode)
+# The combine formats our own providers carry (native MoRI adds its fp4 combine).
+OUR_COMBINE_FORMATS = frozenset(
+    {CombineDtype.BF16, CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE, CombineDtype.FP8_DIRECT_CAST}
+)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a provider carries and does, declared on its class.
+
+    ``id_checks_on_device``: device types on which the provider range-checks expert ids itself, on the
+    device, and raises one call later (elsewhere the op checks them on the host before sending).
+    ``keeps_old_handles``: a combine may use the handle of any earlier dispatch (each handle holds its
+    own tensors); otherwise only the latest dispatch's handle is valid, because the next dispatch
+    reuses the buffers it points at.
+    """
+
+    dispatch_formats: frozenset[DispatchDtype]
+    combine_formats: frozenset[CombineDtype]
+    fused_quantization: frozenset[DispatchDtype]  # bf16 tokens quantized inside the send, no scales from the op
+    id_checks_on_device: frozenset[str]
+    modes: frozenset[Mode]
+    loopback: bool  # runs in a one-process loopback world (LoopbackWorld)
+    keeps_old_handles: bool
+    # Where a format it carries needs more than the provider itself (e.g. a GPU generation).
+    format_notes: Mapping[DispatchDtype | CombineDtype, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProviderSetup:
+    """Everything a provider is built from; the op makes it once per rank.
+
+    ``payload_dtype``: the element type of a dispatched token on the wire. ``group``: the ranks' process
+    group (None: the world group); ``loopback``: the shared state of a one-process world instead.
+    """
+
+    config: EpConfig
+    device: torch.device
+    fp8_dtype: torch.dtype
+    layout: formats.DispatchRowLayout
+    payload_dtype: torch.dtype
+    group: dist.ProcessGroup | None = None
+    loopback: LoopbackHub | None = None
+
+
+class EpProvider(ABC):
+    """One rank's transport: moves dispatch rows to the ranks that own their experts and combine rows back.
+
+    Every call is asynchronous with respect to the host where the provider can make it so; errors found
+    on the device (a stalled peer, an id past the last expert, short expert outputs) are raised by
+    ``check_status``, which the provider also runs after its receives.
+    """
+
+    name: ClassVar[str]  # the provider's config.Provider value
+    display_name: ClassVar[str]  # how messages name it
+    capabilities: ClassVar[Capabilities]
+
+    @abstractmethod
+    def __init__(self, setup: ProviderSetup) -> None: ...
+
+    @abstractmethod
+    def dispatch_send(
+        self,
+        payload: torch.Tensor,
+        scales: torch.Tensor | None,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        layout: formats.DispatchRowLayout,
+        quantize: bool = False,
+    ) -> None:
+        """Start sending each token to the distinct ranks among its top-k experts. ``payload``: wire tokens
+        (or bf16 tokens with ``quantize``, for a format in ``fused_quantization``); ``scales``: uint8 scale
+        rows of ``layout.scale_bytes`` (None with ``quantize`` or without scales)."""
+
+    @abstractmethod
+    def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
+        """Finish the latest dispatch_send: the received rows, compact, and the handle combine needs."""
+
+    @abstractmethod
+    def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        """Start returning expert outputs (one row per received row, weights applied) to their sources."""
+
+    @abstractmethod
+    def combine_recv(self) -> torch.Tensor:
+        """Finish the latest combine_send: per source token, the sum of its returned rows, as bf16."""
+
+    @abstractmethod
+    def check_status(self) -> None:
+        """Raise what the device found since the last check (stalled peer, bad id, short expert outputs)."""

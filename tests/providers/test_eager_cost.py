@@ -1,0 +1,166 @@
+"""What an eager step of the Triton provider costs the host, counted rather than timed: one kernel
+launch per receive and per combine send, the routing and the send per dispatch send (and the routing's
+count pass for a batch of several routing blocks), and, once a batch size has been seen, no torch
+operation at all in any call (no allocation, dtype conversion, contiguous copy, view or read of a
+device value), in both modes, for int32 and int64 ids. The benchmark's ``--eager`` flag times the same
+steps on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.kernels import transport
+from mori_sglang.loopback import LoopbackWorld
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="counts launches through Triton's interpreter (CPU); `bench --eager` on a GPU"
+)
+
+# Two ranks, tiny rows; routing blocks of 64 tokens, which 70 tokens overflow.
+WORLD, HIDDEN, EXPERTS, TOPK, CAPACITY, ROUTE_BLOCK = 2, 256, 4, 2, 72, 64
+BATCHES = (3, 70)
+CALLS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+def _launches_per_call(num_tokens: int) -> dict[str, int]:
+    """Routing (two passes past one block) and send; one kernel for every other call."""
+    routing = 1 if num_tokens <= ROUTE_BLOCK else 2
+    return {"dispatch_send": routing + 1, "dispatch_recv": 1, "combine_send": 1, "combine_recv": 1}
+
+
+# Kernels running now: the interpreter's own tensor work inside a launch is not the provider's.
+_IN_KERNEL = [0]
+
+
+class TorchOps(TorchDispatchMode):
+    """Records every torch operator that runs while it is active, outside kernel launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _IN_KERNEL[0]:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def kernel_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
+    """Counts every launch of every transport kernel, by kernel name (independently of the provider)."""
+    runs: Counter = Counter()
+    for name in dir(transport):
+        kernel = getattr(transport, name)
+        if name.endswith("_kernel") and hasattr(kernel, "run"):
+
+            def counted(*args, _kernel=kernel, _run=kernel.run, **kwargs):
+                runs[_kernel.__name__] += 1
+                _IN_KERNEL[0] += 1
+                try:
+                    return _run(*args, **kwargs)
+                finally:
+                    _IN_KERNEL[0] -= 1
+
+            monkeypatch.setattr(kernel, "run", counted)
+    yield runs
+
+
+def _config(mode: Mode, provider: Provider = Provider.TRITON) -> EpConfig:
+    return EpConfig(
+        WORLD,
+        0,
+        HIDDEN,
+        EXPERTS,
+        TOPK,
+        max_tokens_per_rank=CAPACITY,
+        dispatch_dtype=DispatchDtype.FP8,
+        combine_dtype=CombineDtype.BF16,
+        mode=mode,
+        provider=provider,
+    )
+
+
+def _inputs(n: int, gen: torch.Generator, ids_dtype: torch.dtype):
+    """One rank's batch: bf16 tokens, f32 weights, ids of ``ids_dtype`` (some dropped), random every call."""
+    x = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(n, EXPERTS, generator=gen).topk(TOPK, dim=1).indices
+    ids = torch.where(torch.rand(n, TOPK, generator=gen) < 0.2, -1, ids).to(ids_dtype)
+    return x, torch.rand(n, TOPK, generator=gen), ids
+
+
+class CallRecorder:
+    """Per (call, rank): the kernels launched (``kernel_runs`` is counting them) and the torch
+    operators run."""
+
+    def __init__(self, kernel_runs: Counter) -> None:
+        self.kernel_runs = kernel_runs
+        self.launches: dict[tuple[str, int], int] = {}
+        self.ops: dict[tuple[str, int], list[str]] = {}
+
+    @contextmanager
+    def __call__(self, call: str, rank: int) -> Iterator[None]:
+        before = sum(self.kernel_runs.values())
+        with TorchOps() as mode:
+            yield
+        self.launches[(call, rank)] = sum(self.kernel_runs.values()) - before
+        self.ops[(call, rank)] = mode.ops
+
+
+def _step(world: LoopbackWorld, batches, expert_outputs, record=None):
+    """One dispatch + combine over every rank, call by call; ``record(call, rank)`` wraps each call."""
+    record = record or (lambda call, rank: nullcontext())
+    for r, (op, (x, w, i)) in enumerate(zip(world.ops, batches, strict=True)):
+        with record("dispatch_send", r):
+            op.dispatch_send(x, w, None, i)
+    outs = []
+    for r, op in enumerate(world.ops):
+        with record("dispatch_recv", r):
+            outs.append(op.dispatch_recv())
+    for r, (op, y, out) in enumerate(zip(world.ops, expert_outputs, outs, strict=True)):
+        with record("combine_send", r):
+            op.combine_send(y, out.handle)
+    combined = []
+    for r, op in enumerate(world.ops):
+        with record("combine_recv", r):
+            combined.append(op.combine_recv())
+    return combined
+
+
+def _expert_outputs(gen: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randn(CAPACITY * WORLD, HIDDEN, generator=gen).to(torch.bfloat16) for _ in range(WORLD)]
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("mode", [Mode.LOW_LATENCY, Mode.INTRANODE])
+def test_each_call_launches_its_kernels_and_runs_no_torch_op(
+    mode: Mode, ids_dtype: torch.dtype, kernel_runs: Counter
+) -> None:
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    world = LoopbackWorld(_config(mode))
+    for op in world.ops:
+        op.provider.tuning = replace(op.provider.tuning, route_block=ROUTE_BLOCK)
+    reference = LoopbackWorld(_config(mode, Provider.TORCH))
+    for n in BATCHES:  # the first step of a batch size binds its launches and views
+        _step(world, [_inputs(n, gen, ids_dtype) for _ in range(WORLD)], _expert_outputs(gen))
+    for n in (*BATCHES, BATCHES[0]):
+        batches = [_inputs(n, gen, ids_dtype) for _ in range(WORLD)]
+        ys = _expert_outputs(gen)
+        record = CallRecorder(kernel_runs)
+        combined = _step(world, batches, ys, record)
+        expected = _launches_per_call(n)
+        assert record.launches == {(call, r): expected[call] for call in CALLS for r in range(WORLD)}, n
+        assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
+        assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
+        # The bound launches read this step's tensors: the same results as the torch provider.
+        for got, want in zip(combined, _step(reference, batches, ys), strict=True):
+            assert torch.equal(got, want)
