@@ -55,7 +55,6 @@ def at_least(minimum: float, kind: Callable[[str], float] = int) -> Callable[[st
             raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
         return value
 
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid <type> value" messages
     return parse
 
 

@@ -135,9 +135,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "SGLANG_MORI_RECV_BOUND",
-        "0",
-        "SGLang only (read through SGLang): 1, without two-batch overlap, hands the experts only SGLang's "
-        "bound on the rows a dispatch can have received (the output's recv_cap); 0: the whole receive buffer.",
+        "1",
+        "SGLang only: 1, without two-batch overlap, hands the experts only SGLang's bound on the rows a "
+        "dispatch can have received (the output's recv_cap); 0: the whole receive buffer. Upstream's "
+        "default is 0 (AITER keeps its own view); on NVIDIA the Triton experts' work grows with the rows.",
         kind="bool",
     ),
     EnvVar(

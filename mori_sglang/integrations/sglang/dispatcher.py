@@ -13,11 +13,11 @@ Dtypes, buffer capacity, split combine and the provider come from the ``SGLANG_M
 through ``EpConfig.from_env``; ``set_quant_config`` lets the MoE weight dtype pick the dispatch and
 combine dtypes as upstream does.
 
-As upstream, ``SGLANG_MORI_RECV_BOUND=1`` (without two-batch overlap) sets the output's ``recv_cap`` to
-a host bound on the received rows from the batch sizes SGLang already knows, so the expert side sorts
-and multiplies no more rows than can have arrived; and while SGLang records the expert distribution
-(``--enable-eplb``, ``--expert-distribution-recorder-mode``) each dispatch reports this rank's
-per-expert counts, computed on the device, to its recorder.
+Unless ``SGLANG_MORI_RECV_BOUND=0`` (and never under two-batch overlap, as upstream), the output's
+``recv_cap`` is upstream's host bound on the received rows, from the batch sizes SGLang already knows,
+so the expert side sorts and multiplies no more rows than can have arrived; and while SGLang records
+the expert distribution (``--enable-eplb``, ``--expert-distribution-recorder-mode``) each dispatch
+reports this rank's per-expert counts, computed on the device, to its recorder.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sglang.srt.environ import envs
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 from sglang.srt.layers.dp_attention import get_dp_global_num_tokens, get_is_extend_in_batch
@@ -45,6 +44,7 @@ from sglang.srt.layers.moe.token_dispatcher.moriep import (
 from sglang.srt.layers.moe.utils import DeepEPMode, is_tbo_enabled
 from sglang.srt.runtime_context import get_exec
 
+from mori_sglang import env
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.integrations import current_device
 from mori_sglang.integrations.sglang.expert_input import local_expert_counts, local_expert_ids
@@ -188,8 +188,8 @@ class MoriSglangDispatcher(BaseDispatcher):
         self._stage = _Stage.INITIAL
         self._flight: _InFlight | None = None
         self._deepep_dispatch_hooks = MoriEPPDispatchHooks()
-        # Upstream's rule: the bound comes from per-batch sizes that two-batch overlap splits.
-        self._bound_recv = envs.SGLANG_MORI_RECV_BOUND.get() and not is_tbo_enabled()
+        # Never under two-batch overlap, as upstream: the bound comes from per-batch sizes that it splits.
+        self._bound_recv = env.get_bool("SGLANG_MORI_RECV_BOUND") and not is_tbo_enabled()
 
     # -- configuration --------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ finds our fused function for (mori, triton). On 2 and 4 gloo ranks, in normal, l
 modes, every rank's output must equal the non-EP layer's: bit for bit per destination rank (the layer
 restricted to that rank's experts), and as their sum overall; one step routes nothing to the last
 rank, and one rank of the 4 has no tokens. The expert-distribution recorder must see the true
-per-expert counts, and ``SGLANG_MORI_RECV_BOUND`` must shrink the rows the experts sort.
+per-expert counts, and SGLang's bound on the received rows must shrink the rows the experts sort
+(``SGLANG_MORI_RECV_BOUND=0``: the whole buffer).
 
 SGLang's Triton kernels run in Triton's interpreter (tiny shapes), with stand-ins that exist only here,
 each for something with no CPU build: exact float conversions in the interpreter (the project's
@@ -49,8 +50,12 @@ from sglang.srt.eplb.expert_location import (  # noqa: E402
     ExpertLocationMetadata,
     set_global_expert_location_metadata,
 )
+from sglang.srt.layers.dp_attention import set_dp_buffer_len  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo  # noqa: E402
 from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe, override_config  # noqa: E402
+from sglang.srt.layers.moe.token_dispatcher.moriep import MoriEPNormalDispatchOutput  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput, TopK  # noqa: E402
 from sglang.srt.layers.moe.utils import DeepEPMode, MoeA2ABackend  # noqa: E402
 from sglang.srt.layers.quantization.fp8 import Fp8Config  # noqa: E402
@@ -171,22 +176,26 @@ def tp_coordinator(world_size: int, rank: int) -> GroupCoordinator:
 
 
 @contextlib.contextmanager
-def placement(tp: GroupCoordinator, ep_size: int, ep_rank: int, a2a: MoeA2ABackend, deepep_mode: DeepEPMode):
-    """What SGLang's launcher sets up for one layer: the tp group, the MoE placement (attention tensor
-    parallel over the same ranks, no attention DP) and the MoE flags."""
+def placement(
+    tp: GroupCoordinator, ep_size: int, ep_rank: int, a2a: MoeA2ABackend, deepep_mode: DeepEPMode, dp_attention: bool
+):
+    """What SGLang's launcher sets up for one layer: the tp group, the MoE placement, attention either
+    data parallel over the ranks (``--enable-dp-attention``, each rank its own batch) or tensor parallel
+    (the batch dealt out by SGLang's tensor split), and the MoE flags."""
+    world, rank = tp.world_size, tp.rank_in_group
     with (
         get_parallel().override(
             tp_group=tp,
-            tp_size=tp.world_size,
+            tp_size=world,
             moe_ep_size=ep_size,
             moe_ep_rank=ep_rank,
-            moe_dp_size=tp.world_size // ep_size,  # the reference: each rank its own whole layer
+            moe_dp_size=world // ep_size,  # the reference: each rank its own whole layer
             moe_tp_size=1,
             moe_tp_rank=0,
-            attn_tp_size=tp.world_size,
-            attn_tp_rank=tp.rank_in_group,
-            attn_dp_size=1,
-            attn_dp_rank=0,
+            attn_tp_size=1 if dp_attention else world,
+            attn_tp_rank=0 if dp_attention else rank,
+            attn_dp_size=world if dp_attention else 1,
+            attn_dp_rank=rank if dp_attention else 0,
             attn_cp_size=1,
         ),
         get_flags().moe.override(a2a_backend=a2a, deepep_mode=deepep_mode, tbo_enabled=False),
@@ -370,17 +379,22 @@ class Check:
     tp: GroupCoordinator
 
 
-def run_layer(check: Check, model: Model, mode: str, dispatch_value: str, tokens: dict, recorder=None) -> list[int]:
+def run_layer(
+    check: Check, model: Model, mode: str, dispatch_value: str, tokens: dict, dp_attention: bool, recorder=None
+) -> list[int]:
     """One EP layer (fresh dispatcher and op, as a launch builds) through both steps; every rank's
-    output checked against the reference; returns the rows the fused function handed to the experts."""
+    output checked against the reference; returns the rows the fused function handed to the experts.
+    Under DP attention every rank's batch size is published as SGLang's scheduler does."""
     rank, world_size, seed = check.rank, check.world_size, check.seed
     deepep_mode, split = MODES[mode]
     os.environ["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] = split
     os.environ["SGLANG_MORI_DISPATCH_DTYPE"] = dispatch_value
-    with placement(check.tp, 1, 0, MoeA2ABackend.NONE, deepep_mode):
+    with placement(check.tp, 1, 0, MoeA2ABackend.NONE, deepep_mode, dp_attention):
         reference = model.layer(0, EXPERTS)
     local = EXPERTS // world_size
-    with placement(check.tp, world_size, rank, MoeA2ABackend.MORI, deepep_mode):
+    sizes = list(tokens[world_size])
+    set_dp_buffer_len(sum(sizes), sizes[rank], False, global_num_tokens=sizes if dp_attention else None)
+    with placement(check.tp, world_size, rank, MoeA2ABackend.MORI, deepep_mode, dp_attention):
         layer = model.layer(rank * local, EXPERTS)
         inner = layer.dispatcher._inners[0]
         assert isinstance(inner, MoriSglangDispatcher)
@@ -464,16 +478,24 @@ def true_counts(seed: int, world_size: int, model: Model, step: str, tokens: dic
     return counts
 
 
+def bounded_rows(bound: int) -> int:
+    """The rows ``SGLANG_MORI_RECV_BOUND`` hands on: SGLang's bound rounded up to a multiple of 32."""
+    return max(32, -(-bound // 32) * 32)
+
+
 def _experts_worker(rank: int, world_size: int, seed: int, combos: list[tuple[str, str]]) -> None:
+    """DP attention, every rank its own batch: the experts get the bound's rows (all ranks' tokens),
+    not the whole receive buffer, by default."""
     setup_worker()
     check = Check(seed, rank, world_size, tp_coordinator(world_size, rank))
     models = {weights: Model.build(seed, weights) for weights in {w for w, _ in combos}}
-    capacity = world_size * CAP
+    rows_bound = bounded_rows(sum(TOKENS[world_size]))
+    assert rows_bound < world_size * CAP
     for mode in MODES:
         for weights, dispatch_value in combos:
             recorder = start_recorder(rank, world_size) if (weights, dispatch_value) == combos[0] else None
-            rows = run_layer(check, models[weights], mode, dispatch_value, TOKENS, recorder)
-            assert rows == [capacity] * len(STEPS), f"without a bound the experts see the whole buffer: {rows}"
+            rows = run_layer(check, models[weights], mode, dispatch_value, TOKENS, True, recorder)
+            assert rows == [rows_bound] * len(STEPS), f"{mode}: rows {rows}, the bound's {rows_bound}"
             if recorder is not None:
                 counts = recorder.dump_record(output_mode="object")["logical_count"].sum(dim=0)[0]
                 want = sum(true_counts(seed, world_size, models[weights], s, TOKENS) for s in STEPS)
@@ -481,17 +503,19 @@ def _experts_worker(rank: int, world_size: int, seed: int, combos: list[tuple[st
 
 
 def _bound_worker(rank: int, world_size: int, seed: int) -> None:
-    """SGLANG_MORI_RECV_BOUND=1 with SGLang's tensor split of the batch: the experts get the bound's
-    rows (rounded up to 32), not the whole receive buffer, and the output is unchanged."""
+    """Attention tensor parallel, the batch dealt out by SGLang's tensor split: the bound is this rank's
+    share times the ranks (SGLANG_MORI_RECV_BOUND=1 said explicitly). With SGLANG_MORI_RECV_BOUND=0 the
+    experts get the whole receive buffer. The output is the same either way."""
     setup_worker()
-    os.environ["SGLANG_MORI_RECV_BOUND"] = "1"
     check = Check(seed, rank, world_size, tp_coordinator(world_size, rank))
     model = Model.build(seed, "bf16")
-    for mode in MODES:
-        rows = run_layer(check, model, mode, "auto", SPLIT_TOKENS)
-        bound = world_size * SPLIT_TOKENS[world_size][rank] + rank
-        assert rows == [max(32, -(-bound // 32) * 32)] * len(STEPS), f"{mode}: rows {rows}, bound {bound}"
-        assert rows[0] < world_size * CAP
+    for value, modes in (("1", ("normal", "low_latency")), ("0", ("split",))):
+        os.environ["SGLANG_MORI_RECV_BOUND"] = value
+        for mode in modes:
+            rows = run_layer(check, model, mode, "auto", SPLIT_TOKENS, False)
+            bound = world_size * SPLIT_TOKENS[world_size][rank] + rank
+            want = bounded_rows(bound) if value == "1" else world_size * CAP
+            assert rows == [want] * len(STEPS), f"SGLANG_MORI_RECV_BOUND={value} {mode}: rows {rows}, want {want}"
 
 
 @pytest.mark.slow
@@ -516,3 +540,30 @@ def test_cpu_alignment_stand_in_matches_the_documented_example() -> None:
     sorted_ids, expert_ids, padded = moe_align_block_size_reference(ids, 4, 4)
     assert sorted_ids.tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 12, 12, 2, 5, 8, 12, 11, 12, 12, 12]
     assert expert_ids.tolist() == [0, 1, 2, 3, -1] and padded.tolist() == [20]
+
+
+@pytest.mark.parametrize(
+    ("quant", "config", "message"),
+    [
+        ({"use_mxfp8": True}, {}, "cannot run MXFP8 experts"),
+        ({}, {"no_combine": True}, "no_combine MoE layers are not supported with --moe-a2a-backend mori"),
+    ],
+)
+def test_experts_the_triton_path_cannot_run_are_refused_by_name(quant: dict, config: dict, message: str) -> None:
+    rows = 4
+    output = MoriEPNormalDispatchOutput(
+        hidden_states=torch.zeros(rows, HIDDEN, dtype=torch.bfloat16),
+        hidden_states_scale=None,
+        topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
+        topk_weights=torch.ones(rows, TOPK),
+        num_recv_tokens_per_expert=torch.tensor([rows], dtype=torch.int32),
+        origin_topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
+        origin_topk_weights=torch.ones(rows, TOPK),
+        out_dtype=torch.bfloat16,
+    )
+    weights = TritonMoeQuantInfo(
+        w13_weight=torch.zeros(2, 2 * INTERMEDIATE, HIDDEN), w2_weight=torch.zeros(2, HIDDEN, INTERMEDIATE), **quant
+    )
+    runner_config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=2, hidden_size=HIDDEN, **config)
+    with pytest.raises(NotImplementedError, match=message):
+        triton_experts.mori_to_triton(output, weights, runner_config)

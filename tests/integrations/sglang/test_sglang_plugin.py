@@ -61,6 +61,10 @@ UPSTREAM = (moriep.MoriEPDispatcher,)
 HIDDEN = 256
 TOPK = 3
 CAP_VAR = "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+# These tests publish no parallel placement (SGLang's received-row bound reads it) and give ranks batch
+# sizes no single placement produces, so the dispatch output offers the whole buffer; the bound is
+# tested with SGLang's placement in test_sglang_experts.py.
+WHOLE_BUFFER = ("SGLANG_MORI_RECV_BOUND", "0")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +124,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in list(os.environ):
         if name.startswith(("SGLANG_MORI_", "MORI_")):
             monkeypatch.delenv(name)
+    monkeypatch.setenv(*WHOLE_BUFFER)
     return monkeypatch
 
 
@@ -732,6 +737,7 @@ def _layer_worker(rank: int, world_size: int, seed: int) -> None:
     for name in list(os.environ):
         if name.startswith(("SGLANG_MORI_", "MORI_")):
             del os.environ[name]
+    os.environ.update([WHOLE_BUFFER])
     os.environ[CAP_VAR] = str(LAYER_CAP)
     load_plugins()
     tp = tp_coordinator(world_size, rank)
@@ -749,6 +755,7 @@ def _mori_layer_worker(rank: int, world_size: int, seed: int) -> None:
     for name in list(os.environ):
         if name.startswith(("SGLANG_MORI_", "MORI_")):
             del os.environ[name]
+    os.environ.update([WHOLE_BUFFER])
     os.environ[CAP_VAR] = str(LAYER_CAP)
     os.environ["SGLANG_MORI_BACKEND"] = "mori"
     load_plugins()
