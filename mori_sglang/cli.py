@@ -130,7 +130,7 @@ def check_wire(config: EpConfig) -> None:
         formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden),
         config.topk,
     )
-    formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
+    formats.check_combine_reference(config.combine_dtype)
     if config.provider is Provider.TRITON:
         from mori_sglang.providers.triton_provider import check_word_rows
 

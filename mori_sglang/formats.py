@@ -143,13 +143,18 @@ def combine_scale_offset(hidden: int) -> int:
     return align(hidden, 4)
 
 
-def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = FP8_BLOCK) -> int:
-    """Bytes one expert output occupies on the wire: 14336 (bf16), 7392 (blockwise), 7168 (cast) at 7168."""
-    fmt = wire_formats.COMBINE_BY_NAME[dtype.value]
-    if fmt.kernel_code is None:  # no reference of ours
+def check_combine_reference(dtype: CombineDtype) -> None:
+    """Refuse a combine format this module has no reference for (native MoRI's fp4, carried by MoRI alone)."""
+    if wire_formats.COMBINE_BY_NAME[dtype.value].kernel_code is None:
         raise ConfigError(
             f"combine dtype {dtype.value} has no reference wire format; use bf16, fp8 or fp8_direct_cast"
         )
+
+
+def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = FP8_BLOCK) -> int:
+    """Bytes one expert output occupies on the wire: 14336 (bf16), 7392 (blockwise), 7168 (cast) at 7168."""
+    check_combine_reference(dtype)
+    fmt = wire_formats.COMBINE_BY_NAME[dtype.value]
     elements = hidden * fmt.element_bits // 8
     if not fmt.block_scaled:
         return elements
