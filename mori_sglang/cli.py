@@ -17,7 +17,7 @@ from typing import NoReturn, TypeVar
 
 import torch
 
-from mori_sglang import formats
+from mori_sglang import formats, wire_formats
 from mori_sglang.config import (
     COMBINE_ENV_VALUES,
     DISPATCH_ENV_VALUES,
@@ -98,7 +98,7 @@ def combine_names() -> str:
 
 def combine_name(dtype: CombineDtype) -> str:
     """What a user writes for a combine format: its env name where it has one, else its long name."""
-    return next((name for name, value in COMBINE_ENV_VALUES.items() if value is dtype), dtype.value)
+    return wire_formats.COMBINE_BY_NAME[dtype.value].user_name
 
 
 def device_name(text: str) -> str:

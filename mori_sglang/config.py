@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mori_sglang import env
+from mori_sglang import env, wire_formats
 
 
 class ConfigError(ValueError):
@@ -17,7 +17,8 @@ class ConfigError(ValueError):
 
 
 class DispatchDtype(str, enum.Enum):
-    """Payload of a dispatched token. The quantized ones travel with an opaque per-token scale row."""
+    """Payload of a dispatched token. The quantized ones travel with an opaque per-token scale row.
+    One member per row of ``wire_formats.DISPATCH_FORMATS``, whose values they are."""
 
     BF16 = "bf16"
     FP8 = "fp8"  # e4m3, one f32 scale per 128 elements
@@ -26,7 +27,8 @@ class DispatchDtype(str, enum.Enum):
 
 
 class CombineDtype(str, enum.Enum):
-    """Payload of an expert output travelling back to its source rank."""
+    """Payload of an expert output travelling back to its source rank. One member per row of
+    ``wire_formats.COMBINE_FORMATS``, whose long names they are."""
 
     BF16 = "bf16"
     FP8_BLOCKWISE = "fp8_blockwise"  # ours: scale = amax / fp8_max for every block
@@ -50,21 +52,11 @@ class Provider(str, enum.Enum):
     TORCH = "torch"
 
 
-COMBINE_ENV_VALUES = {
-    "bf16": CombineDtype.BF16,
-    "fp8": CombineDtype.FP8_BLOCKWISE,
-    "fp8_direct_cast": CombineDtype.FP8_DIRECT_CAST,
-    "fp4": CombineDtype.FP4_BLOCKWISE,
-}
-DISPATCH_ENV_VALUES = {
-    "bf16": DispatchDtype.BF16,
-    "fp8": DispatchDtype.FP8,
-    "mxfp8": DispatchDtype.MXFP8,
-    "fp4": DispatchDtype.MXFP4,
-}
+# What users write (SGLANG_MORI_*_DTYPE, every command's format flags) -> the format (wire_formats.py).
+COMBINE_ENV_VALUES = {f.env_name: CombineDtype(f.name) for f in wire_formats.COMBINE_FORMATS if f.env_name}
+DISPATCH_ENV_VALUES = {f.name: DispatchDtype(f.name) for f in wire_formats.DISPATCH_FORMATS}
+# The fp8 flavours, by their SGLANG_MORI_FP8_TYPE names.
 FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
-DEFAULT_COMBINE_BLOCK = 128  # our blockwise fp8 format's block
-NATIVE_COMBINE_SCALES = 56  # native MoRI's scales per token (MORI_FP8_COMBINE_SCALE_DIM unset)
 
 
 def _enum_value(enum_cls: type[enum.Enum], value: object, knob: str) -> enum.Enum:
@@ -93,7 +85,7 @@ class EpConfig:
     hidden: int
     num_experts: int
     topk: int
-    max_tokens_per_rank: int = 4096
+    max_tokens_per_rank: int = env.DEFAULT_MAX_TOKENS_PER_RANK
     dispatch_dtype: DispatchDtype = DispatchDtype.BF16
     combine_dtype: CombineDtype = CombineDtype.BF16
     mode: Mode = Mode.INTRANODE
@@ -217,11 +209,13 @@ def combine_block_from_scale_dim(hidden: int, scale_dim: int) -> int:
 
 
 def default_combine_block(combine_dtype: CombineDtype, hidden: int) -> int:
-    """The block of a blockwise combine where none is set: MoRI's own format follows MoRI's default
-    (56 scales per token: blocks of ceil(hidden / 56), 128 at hidden 7168); ours has blocks of 128."""
-    if combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE:
-        return combine_block_from_scale_dim(hidden, NATIVE_COMBINE_SCALES)
-    return DEFAULT_COMBINE_BLOCK
+    """The block of a blockwise combine where none is set, from the format table: MoRI's own format
+    follows MoRI's default (56 scales per token: blocks of ceil(hidden / 56), 128 at hidden 7168); ours
+    has blocks of 128. Unscaled formats have no block; they keep 128, which nothing reads."""
+    fmt = wire_formats.COMBINE_BY_NAME[combine_dtype.value]
+    if fmt.default_scales_per_token:
+        return combine_block_from_scale_dim(hidden, fmt.default_scales_per_token)
+    return fmt.default_block or wire_formats.FP8_BLOCK
 
 
 def dtypes_from_env(

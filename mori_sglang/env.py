@@ -14,10 +14,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mori_sglang.wire_formats import COMBINE_ENV_NAMES, DISPATCH_ENV_NAMES
+
 BOOL_TRUE = ("1", "true", "yes", "on")
 # The most tokens one rank may dispatch per call: far above any serving batch, and small enough that
 # every row index of the buffers stays well inside int32.
 MAX_TOKENS_PER_RANK = 1 << 20
+DEFAULT_MAX_TOKENS_PER_RANK = 4096  # buffer capacity per rank where neither argument nor variable sets it
 DEFAULT_PEER_TIMEOUT_S = 120
 BOOL_FALSE = ("0", "false", "no", "off", "")
 
@@ -56,7 +59,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "auto",
         "Dispatch payload. auto follows the MoE weight dtype (fp8 weights -> fp8, fp4 weights -> fp4); "
         "fp4 is MXFP4 (e2m1 + e8m0 per 32).",
-        ("auto", "bf16", "fp8", "mxfp8", "fp4"),
+        ("auto", *DISPATCH_ENV_NAMES),
     ),
     EnvVar(
         "SGLANG_MORI_COMBINE_DTYPE",
@@ -64,7 +67,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Combine payload. fp8 is blockwise FP8 (one f32 scale per block); fp8_direct_cast is a plain "
         "saturating cast; fp4 is blockwise FP4 (native MoRI on gfx950 only). auto: fp8 for fp4 weights, "
         "else bf16.",
-        ("auto", "bf16", "fp8", "fp8_direct_cast", "fp4"),
+        ("auto", *COMBINE_ENV_NAMES),
     ),
     EnvVar(
         "SGLANG_MORI_FP8_DISP",
@@ -86,7 +89,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
-        "4096",
+        str(DEFAULT_MAX_TOKENS_PER_RANK),
         "Buffer capacity: the most tokens one rank may dispatch in one call. A larger batch is an error. "
         "SGLang only: under vLLM, --max-num-batched-tokens sets it.",
         kind="int",

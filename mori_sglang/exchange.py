@@ -33,7 +33,9 @@ class Pending(Protocol):
 
 
 @dataclass
-class _Done:
+class _PostedExchange:
+    """A posted exchange: ``result`` waits for it and returns the received rows and counts."""
+
     result: Callable[[], tuple[torch.Tensor, list[int] | None]]
 
     def wait(self) -> tuple[torch.Tensor, list[int] | None]:
@@ -103,7 +105,7 @@ class DistExchange:
             wait()
             return out.to(rows.device), recv_counts
 
-        return _Done(finish)
+        return _PostedExchange(finish)
 
     def variable(self, rows: torch.Tensor, send_counts: list[int]) -> Pending:
         if self._per_peer:
@@ -120,7 +122,7 @@ class DistExchange:
             work.wait()
             return out, recv_counts
 
-        return _Done(finish)
+        return _PostedExchange(finish)
 
     def fixed(self, chunks: torch.Tensor) -> Pending:
         send = chunks
@@ -134,14 +136,14 @@ class DistExchange:
                 wait()
                 return out.to(chunks.device), None
 
-            return _Done(finish_per_peer)
+            return _PostedExchange(finish_per_peer)
         work = dist.all_to_all_single(out, send.contiguous(), group=self.group, async_op=True)
 
         def finish() -> tuple[torch.Tensor, list[int] | None]:
             work.wait()
             return out.to(chunks.device), None
 
-        return _Done(finish)
+        return _PostedExchange(finish)
 
 
 @dataclass
@@ -208,7 +210,7 @@ class LoopbackExchange:
                 counts.append(count)
             return torch.cat(parts), counts
 
-        return _Done(finish)
+        return _PostedExchange(finish)
 
     def fixed(self, chunks: torch.Tensor) -> Pending:
         seq = self.hub.post(self.rank, _Post(chunks, None))
@@ -217,4 +219,4 @@ class LoopbackExchange:
             parts = [post.rows[self.rank] for post in self.hub.collect(seq, self.rank)]
             return torch.stack(parts), None
 
-        return _Done(finish)
+        return _PostedExchange(finish)

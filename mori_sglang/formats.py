@@ -33,11 +33,12 @@ import math
 
 import torch
 
+from mori_sglang import wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype
+from mori_sglang.wire_formats import FP8_BLOCK, MX_GROUP
 
 SCALE_ROW_ALIGN = 128
-DISPATCH_FP8_GROUP = 128
-MX_GROUP = 32
+DISPATCH_FP8_GROUP = FP8_BLOCK
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF  # the e8m0 NaN code: its whole group decodes to NaN
 FP4_E2M1_EMAX = 2  # exponent of the largest e2m1 power of two (4)
@@ -138,22 +139,26 @@ def row_bytes(t: torch.Tensor) -> int:
 
 
 def combine_scale_offset(hidden: int) -> int:
-    """Where a blockwise row's f32 scales start: after the fp8 elements, aligned to 4 bytes."""
-    return _align(hidden, 4)
+    """Where a blockwise fp8 row's f32 scales start: after the fp8 elements, aligned to 4 bytes."""
+    return align(hidden, 4)
 
 
-def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = 128) -> int:
+def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = FP8_BLOCK) -> int:
     """Bytes one expert output occupies on the wire: 14336 (bf16), 7392 (blockwise), 7168 (cast) at 7168."""
-    if dtype is CombineDtype.BF16:
-        return 2 * hidden
-    if dtype is CombineDtype.FP8_DIRECT_CAST:
-        return hidden
-    if dtype in (CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE):
-        return combine_scale_offset(hidden) + 4 * num_blocks(hidden, block)
-    raise ConfigError(f"combine dtype {dtype.value} has no reference wire format; use bf16, fp8 or fp8_direct_cast")
+    fmt = wire_formats.COMBINE_BY_NAME[dtype.value]
+    if fmt.kernel_code is None:  # no reference of ours
+        raise ConfigError(
+            f"combine dtype {dtype.value} has no reference wire format; use bf16, fp8 or fp8_direct_cast"
+        )
+    elements = hidden * fmt.element_bits // 8
+    if not fmt.block_scaled:
+        return elements
+    return align(elements, 4) + 4 * num_blocks(hidden, block)
 
 
-def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtype, block: int = 128) -> torch.Tensor:
+def quantize_combine(
+    y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtype, block: int = FP8_BLOCK
+) -> torch.Tensor:
     """Expert outputs ``[R, hidden]`` -> wire rows ``[R, combine_row_bytes]`` as uint8."""
     rows, hidden = y.shape
     if dtype is CombineDtype.BF16:
@@ -187,7 +192,7 @@ def quantize_combine(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dtyp
 
 
 def dequantize_combine(
-    rows: torch.Tensor, dtype: CombineDtype, hidden: int, fp8_dtype: torch.dtype, block: int = 128
+    rows: torch.Tensor, dtype: CombineDtype, hidden: int, fp8_dtype: torch.dtype, block: int = FP8_BLOCK
 ) -> torch.Tensor:
     """Wire rows -> f32 ``[R, hidden]``, the values the receiver accumulates."""
     if dtype is CombineDtype.BF16:
@@ -211,39 +216,34 @@ def dequantize_combine(
 
 def check_dispatch_hidden(dtype: DispatchDtype, hidden: int) -> None:
     """The one hidden-size rule of the dispatch formats: fp4 packs two elements per byte."""
-    if dtype is DispatchDtype.MXFP4 and hidden % 2:
-        raise FormatError(f"hidden={hidden}: fp4 dispatch packs two elements per byte, so hidden must be even")
+    fmt = wire_formats.DISPATCH_BY_NAME[dtype.value]
+    if hidden % fmt.hidden_multiple:
+        raise FormatError(f"hidden={hidden}: {fmt.name} dispatch {fmt.hidden_rule}")
 
 
 def dispatch_token_bytes(dtype: DispatchDtype, hidden: int) -> int:
     check_dispatch_hidden(dtype, hidden)
-    if dtype is DispatchDtype.BF16:
-        return 2 * hidden
-    if dtype is DispatchDtype.MXFP4:
-        return hidden // 2
-    return hidden
+    return wire_formats.DISPATCH_BY_NAME[dtype.value].token_bytes(hidden)
 
 
 def dispatch_scale_groups(dtype: DispatchDtype, hidden: int) -> int:
     """Scales per token: ceil(hidden / 128) f32 for fp8, ceil(hidden / 32) e8m0 bytes for mxfp8 / fp4."""
-    if dtype is DispatchDtype.BF16:
-        return 0
-    return num_blocks(hidden, DISPATCH_FP8_GROUP if dtype is DispatchDtype.FP8 else MX_GROUP)
+    group = wire_formats.DISPATCH_BY_NAME[dtype.value].scale_group
+    return num_blocks(hidden, group) if group else 0
 
 
 def dispatch_scale_bytes(dtype: DispatchDtype, hidden: int) -> int:
     """Natural scale row of a dispatch format, whole dwords: 224 B for fp8, mxfp8 and fp4 at hidden 7168;
     92 B at 2880 (23 f32 scales, or 90 e8m0 bytes and two zero pad bytes)."""
-    groups = dispatch_scale_groups(dtype, hidden)
-    return 4 * groups if dtype is DispatchDtype.FP8 else _align(groups, 4)
+    return align(dispatch_scale_groups(dtype, hidden) * wire_formats.DISPATCH_BY_NAME[dtype.value].scale_bytes, 4)
 
 
 def dispatch_payload_dtype(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> torch.dtype:
-    if dtype is DispatchDtype.BF16:
-        return torch.bfloat16
-    if dtype is DispatchDtype.MXFP4:
-        return torch.uint8
-    return fp8_dtype
+    """The element type of a wire token: the op's fp8 flavour for fp8 formats, bytes for packed fp4."""
+    fmt = wire_formats.DISPATCH_BY_NAME[dtype.value]
+    if fmt.fp8 == wire_formats.OP_FP8:
+        return fp8_dtype
+    return torch.bfloat16 if fmt.element_bits == 16 else torch.uint8
 
 
 def mx_emax(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> int:
@@ -366,7 +366,8 @@ def dequantize_dispatch(
 # ---------------------------------------------------------------------------------------------
 
 
-def _align(n: int, to: int = 16) -> int:
+def align(n: int, to: int = 16) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
     return (n + to - 1) // to * to
 
 
@@ -385,10 +386,10 @@ class DispatchRowLayout:
         self.scale_bytes = scale_bytes
         self.scale_stride = scale_stride_bytes(scale_bytes)
         self.topk = topk
-        self.scale_offset = _align(token_bytes)
+        self.scale_offset = align(token_bytes)
         self.weights_offset = self.scale_offset + self.scale_stride
-        self.ids_offset = _align(self.weights_offset + 4 * topk)
-        self.row_bytes = _align(self.ids_offset + 4 * topk)
+        self.ids_offset = align(self.weights_offset + 4 * topk)
+        self.row_bytes = align(self.ids_offset + 4 * topk)
 
     def pack(
         self, tokens: torch.Tensor, scales: torch.Tensor | None, weights: torch.Tensor, ids: torch.Tensor

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import FP8_TYPES, CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import DispatchOutput
@@ -31,7 +31,6 @@ SEED_ENV = "MORI_SGLANG_TEST_SEED"
 BASE_SEED = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))
 TAG_MULTIPLIER = 100003  # a received row's tag is src_rank * TAG_MULTIPLIER + src_token
 TAG_BYTES = 4
-FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 ROUTINGS = ("random", "round_robin", "spread", "all_to_one", "dropped")
 INPUTS = ("normal", "lognormal", "outliers")
 # 65 GSM8K test problems (MIT, see tests/data/gsm8k/LICENSE), one of them with a negative answer.

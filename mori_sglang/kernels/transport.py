@@ -38,14 +38,21 @@ from triton.language.extra import cuda as cuda_extra
 from triton.language.extra import hip as hip_extra
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from mori_sglang import wire_formats
+
 # Every row in an arena starts on this many bytes (the host checks it): lets loads and stores through
 # peer pointers read from memory be vectorized.
 ROW_ALIGN = tl.constexpr(16)
 
-COMBINE_BF16 = 0
-COMBINE_FP8_DIRECT = 1
-COMBINE_FP8_BLOCKWISE = 2
-COMBINE_FP8_BLOCKWISE_NATIVE = 3
+# The formats' codes (wire_formats.py), as constexprs the kernels compare FORMAT and QUANT with.
+COMBINE_BF16 = tl.constexpr(wire_formats.COMBINE_BF16)
+COMBINE_FP8_DIRECT = tl.constexpr(wire_formats.COMBINE_FP8_DIRECT)
+COMBINE_FP8_BLOCKWISE = tl.constexpr(wire_formats.COMBINE_FP8_BLOCKWISE)
+COMBINE_FP8_BLOCKWISE_NATIVE = tl.constexpr(wire_formats.COMBINE_FP8_BLOCKWISE_NATIVE)
+QUANT_NONE = tl.constexpr(wire_formats.QUANT_NONE)
+QUANT_FP8 = tl.constexpr(wire_formats.QUANT_FP8)
+QUANT_MXFP8 = tl.constexpr(wire_formats.QUANT_MXFP8)
+QUANT_MXFP4 = tl.constexpr(wire_formats.QUANT_MXFP4)
 
 
 @triton.jit
@@ -219,12 +226,6 @@ def _source_of_row(counts, j, WP: tl.constexpr):
     return src, j - start
 
 
-QUANT_NONE = 0
-QUANT_FP8 = 1
-QUANT_MXFP8 = 2
-QUANT_MXFP4 = 3
-
-
 @triton.jit
 def _e8m0(amax, EMAX: tl.constexpr):
     """OCP MX shared exponent floor(log2 amax) - EMAX, clamped to e8m0, and the inverse of its power of
@@ -340,7 +341,7 @@ def route_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
+    BLOCKS_P2: tl.constexpr,  # the routing blocks rounded up to a power of two (1: one block)
     PDL: tl.constexpr,
 ):
     """Program (d, b) numbers the tokens of block b that go to rank d, in token order, after the
@@ -360,8 +361,8 @@ def route_kernel(
     b = tl.program_id(1)
     nb = tl.num_programs(1)
     k_offs = tl.arange(0, KP)
-    if NBP > 1:
-        earlier = tl.arange(0, NBP)
+    if BLOCKS_P2 > 1:
+        earlier = tl.arange(0, BLOCKS_P2)
         before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0)
     else:
         before = tl.zeros((), dtype=tl.int64)
@@ -402,7 +403,7 @@ def _token_tile(
     words to copy, whatever the tokens' dtype); an item past the last loads nothing."""
     n = item // TILES
     tile = item % TILES
-    if QUANT == 0:
+    if QUANT == QUANT_NONE:
         word = tile * BLOCK + tl.arange(0, BLOCK)
         words = x_ptr.to(tl.pointer_type(tl.int32))
         return tl.load(words + n * TOKEN_WORDS + word, mask=(word < TOKEN_WORDS) & (item < total))
@@ -480,8 +481,8 @@ def dispatch_send_kernel(
         tile = item % TILES
         rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
         present = rows != 0
-        if (QUANT == 1) or (QUANT == 2):
-            if QUANT == 1:
+        if (QUANT == QUANT_FP8) or (QUANT == QUANT_MXFP8):  # noqa: SIM109  the kernel compares constexprs
+            if QUANT == QUANT_FP8:
                 NUM_GROUPS: tl.constexpr = (HIDDEN + GROUP - 1) // GROUP
             else:
                 NUM_GROUPS: tl.constexpr = (HIDDEN + 4 * GROUP - 1) // (4 * GROUP) * 4
@@ -490,7 +491,7 @@ def dispatch_send_kernel(
             in_range = elem < HIDDEN
             x = x_now.to(tl.float32)
             x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
-            if QUANT == 1:  # f32 scale amax / max; payload x * (max / amax)
+            if QUANT == QUANT_FP8:  # f32 scale amax / max; payload x * (max / amax)
                 amax = tl.maximum(_finite_amax(x2, 1), 1e-10)
                 scale_row = tl.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
                 scaled = x2 * tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)[:, None]
@@ -502,7 +503,7 @@ def dispatch_send_kernel(
             q2 = _saturate_fp8(scaled, FP8_MAX, FP8)
             _store_all(rows, 0, elem, tl.reshape(q2, (TILE_ELEMS,)), in_range, present, TILE_ELEMS, KP)
             _store_all(rows, SCALE_AT * 4, groups, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
-        elif QUANT == 3:
+        elif QUANT == QUANT_MXFP4:
             NUM_GROUPS: tl.constexpr = (HIDDEN + 4 * GROUP - 1) // (4 * GROUP) * 4
             PAIRS: tl.constexpr = GROUP // 2
             TILE: tl.constexpr = TILE_GROUPS * PAIRS  # packed bytes
@@ -640,13 +641,13 @@ def _quantize_blocks(
         elem = blocks[:, None] * BLOCK + cols[None, :]
         mask = (blocks < NUM_BLOCKS)[:, None] & (cols < BLOCK)[None, :] & (elem < HIDDEN)
         x = tl.load(src + elem, mask=mask & has_row, other=0.0).to(tl.float32)
-        if FORMAT == 0:
+        if FORMAT == COMBINE_BF16:
             tl.store(dst.to(tl.pointer_type(tl.bfloat16)) + elem, x.to(tl.bfloat16), mask=mask)
-        elif FORMAT == 1:
+        elif FORMAT == COMBINE_FP8_DIRECT:
             tl.store(dst.to(tl.pointer_type(FP8)) + elem, _saturate_fp8(x, FP8_MAX, FP8), mask=mask)
         else:
             amax = _finite_amax(x, 1)
-            if FORMAT == 2:
+            if FORMAT == COMBINE_FP8_BLOCKWISE:
                 nonzero = amax > 0
                 safe_amax = tl.where(nonzero, tl.maximum(amax, MIN_AMAX), 1.0)
                 scale = tl.where(nonzero, tl.div_rn(safe_amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
@@ -664,7 +665,7 @@ def _quantize_blocks(
             tl.store(dst.to(tl.pointer_type(FP8)) + elem, _saturate_fp8(q, FP8_MAX, FP8), mask=mask)
             scales = (dst + SCALE_AT).to(tl.pointer_type(tl.float32))
             tl.store(scales + blocks, scale, mask=blocks < NUM_BLOCKS)
-    if FORMAT == 3:
+    if FORMAT == COMBINE_FP8_BLOCKWISE_NATIVE:
         tl.debug_barrier()
         if any_scaled > 0:
             tl.store((dst + SCALE_AT).to(tl.pointer_type(tl.float32)), -first_scale)
@@ -788,14 +789,14 @@ def combine_recv_kernel(
             present = slot >= 0
             row = tl.multiple_of(rows + tl.maximum(slot, 0) * ROW_STRIDE, ROW_ALIGN)
             m = mask & present
-            if FORMAT == 0:
+            if FORMAT == COMBINE_BF16:
                 v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + elem, mask=m, other=0.0).to(tl.float32)
             else:
                 v = tl.load(row.to(tl.pointer_type(FP8)) + elem, mask=m, other=0.0).to(tl.float32)
                 if FORMAT >= 2:
                     scales = (row + SCALE_AT).to(tl.pointer_type(tl.float32))
                     s = tl.load(scales + blocks, mask=(blocks < NUM_BLOCKS) & present, other=1.0)
-                    if FORMAT == 3:
+                    if FORMAT == COMBINE_FP8_BLOCKWISE_NATIVE:
                         flagged = tl.load(scales, mask=present, other=1.0) < 0
                         s = tl.where(flagged, tl.abs(s), 1.0)
                     v = v * s[:, None]

@@ -20,20 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mori_sglang import env, formats
+from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.mori_provider import GPUS_PER_NODE, MoriProvider, init_shmem
 from mori_sglang.types import CombineHandle, DispatchOutput
 
-QUANT_TYPE = {
-    CombineDtype.BF16: "none",
-    CombineDtype.FP8_DIRECT_CAST: "fp8_direct_cast",
-    CombineDtype.FP8_BLOCKWISE: "fp8_blockwise",
-    CombineDtype.FP8_BLOCKWISE_NATIVE: "fp8_blockwise",
-    CombineDtype.FP4_BLOCKWISE: "fp4_blockwise",
-}
+QUANT_TYPE = {dtype: wire_formats.COMBINE_BY_NAME[dtype.value].mori_quant_type for dtype in CombineDtype}
 
 # (warps per block, blocks, RDMA blocks) per kernel type, as SGLang launches them.
 LAUNCH = {

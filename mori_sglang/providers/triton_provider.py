@@ -21,7 +21,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from mori_sglang import env, formats
+from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.kernels import interpreter, transport
 from mori_sglang.kernels.launch import BoundLaunch
@@ -43,18 +43,8 @@ from mori_sglang.types import (
     peer_timeout_error,
     short_expert_outputs_error,
 )
+from mori_sglang.wire_formats import QUANT_NONE
 
-COMBINE_FORMAT = {
-    CombineDtype.BF16: transport.COMBINE_BF16,
-    CombineDtype.FP8_DIRECT_CAST: transport.COMBINE_FP8_DIRECT,
-    CombineDtype.FP8_BLOCKWISE: transport.COMBINE_FP8_BLOCKWISE,
-    CombineDtype.FP8_BLOCKWISE_NATIVE: transport.COMBINE_FP8_BLOCKWISE_NATIVE,
-}
-QUANT_KIND = {
-    DispatchDtype.FP8: transport.QUANT_FP8,
-    DispatchDtype.MXFP8: transport.QUANT_MXFP8,
-    DispatchDtype.MXFP4: transport.QUANT_MXFP4,
-}
 TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 
 
@@ -201,7 +191,7 @@ class TritonProvider(EpProvider):
         self._pdl_launch = {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
-            config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats._align(combine_bytes)
+            config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats.align(combine_bytes)
         )
         self._loopback = loopback
         if loopback is not None:
@@ -237,7 +227,7 @@ class TritonProvider(EpProvider):
         self.combined_out = torch.empty(config.max_tokens_per_rank, config.hidden, dtype=torch.bfloat16, device=device)
         self._sent: int | None = None  # the batch size of the dispatch sent and not yet received
         self._combine_handle: SlotHandle | None = None
-        self.fp8_name = TRITON_FP8[fp8_dtype]
+        self.triton_fp8_type = TRITON_FP8[fp8_dtype]
         self._launches: dict[tuple, object] = {}  # bound launches and views, by what they depend on
 
     # -- bound launches -----------------------------------------------------------------------
@@ -376,9 +366,14 @@ class TritonProvider(EpProvider):
                 "rank": cfg.rank,
                 "max_tokens": cfg.max_tokens_per_rank,
             },
-            {**route_meta, "ROW_BYTES": layout.row_bytes, "NBP": triton.next_power_of_2(blocks) if blocks > 1 else 1},
+            {
+                **route_meta,
+                "ROW_BYTES": layout.row_bytes,
+                "BLOCKS_P2": triton.next_power_of_2(blocks) if blocks > 1 else 1,
+            },
             ("ids_ptr",),
         )
+        quant = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value].kernel_code if quantize else QUANT_NONE
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         tile_groups = max(1, self.tuning.send_tile // group)
         if quantize:
@@ -412,12 +407,12 @@ class TritonProvider(EpProvider):
                 "BLOCK": self.tuning.copy_block,
                 "PAD_BLOCK": triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
                 "TILES": tiles,
-                "QUANT": QUANT_KIND[cfg.dispatch_dtype] if quantize else transport.QUANT_NONE,
+                "QUANT": quant,
                 "HIDDEN": cfg.hidden,
                 "GROUP": group,
                 "TILE_GROUPS": tile_groups,
                 "FP8_MAX": formats.fp8_max(self.fp8_dtype),
-                "FP8": self.fp8_name,
+                "FP8": self.triton_fp8_type,
                 "EMAX": formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
                 "enable_fp_fusion": False,
                 "num_warps": self.tuning.send_warps,
@@ -532,7 +527,7 @@ class TritonProvider(EpProvider):
             "HIDDEN": cfg.hidden,
             "SCALE_AT": formats.combine_scale_offset(cfg.hidden),
             "ROW_STRIDE": self.arena_layout.combine_row_stride,
-            "FORMAT": COMBINE_FORMAT[cfg.combine_dtype],
+            "FORMAT": wire_formats.COMBINE_BY_NAME[cfg.combine_dtype.value].kernel_code,
             "BLOCK": self._combine_block,
             "BLOCK_P2": block_p2,
             "TILE_BLOCKS": max(1, tile // block_p2),
@@ -575,7 +570,7 @@ class TritonProvider(EpProvider):
                 "ITEMS": items,
                 "FP8_MAX": formats.fp8_max(self.fp8_dtype),
                 "MIN_AMAX": formats.min_block_amax(self.fp8_dtype),
-                "FP8": self.fp8_name,
+                "FP8": self.triton_fp8_type,
                 "W": cfg.world_size,
                 "WP": triton.next_power_of_2(cfg.world_size),
                 "enable_fp_fusion": False,
@@ -618,7 +613,7 @@ class TritonProvider(EpProvider):
             },
             {
                 **meta,
-                "FP8": self.fp8_name,
+                "FP8": self.triton_fp8_type,
                 "K": cfg.topk,
                 "W": cfg.world_size,
                 "WP": triton.next_power_of_2(cfg.world_size),

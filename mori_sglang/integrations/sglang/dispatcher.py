@@ -46,6 +46,7 @@ from sglang.srt.runtime_context import get_exec
 
 from mori_sglang import env
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
+from mori_sglang.integrations import current_device
 from mori_sglang.integrations.sglang.expert_input import local_expert_counts, local_expert_ids
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import CombineHandle, DispatchOutput
@@ -125,12 +126,6 @@ def _process_group(group: Any) -> dist.ProcessGroup:
     raise TypeError(f"group must be a ProcessGroup or have a device_group ProcessGroup, got {type(group).__name__}")
 
 
-def _current_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class MoriSglangDispatcher(BaseDispatcher):
     """Drop-in for SGLang's ``MoriEPDispatcher`` (same keywords, calls, stages and outputs).
 
@@ -177,7 +172,7 @@ class MoriSglangDispatcher(BaseDispatcher):
         self.process_group = _process_group(group)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
-        self.device = _current_device()
+        self.device = current_device()
         self._weight_dtype: torch.dtype | None = None
         # Built now so a bad SGLANG_MORI_* value fails when the model is built, naming the variable.
         self._configs = self._build_configs()

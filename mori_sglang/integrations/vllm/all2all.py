@@ -17,6 +17,7 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 from vllm.distributed.parallel_state import get_ep_group
 
 from mori_sglang.config import EpConfig
+from mori_sglang.integrations import current_device
 from mori_sglang.op import EpDispatchCombineOp
 
 HIGH_THROUGHPUT = "mori_high_throughput"
@@ -66,12 +67,6 @@ def ep_config_from_vllm(backend: str, kwargs: Mapping[str, Any], environ: Mappin
     )
 
 
-def _current_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class MoriSglangAll2AllManager(All2AllManagerBase):
     """vLLM's ``All2AllManagerBase`` for the MoRI names; ``get_handle`` returns an ``EpDispatchCombineOp``.
 
@@ -90,7 +85,7 @@ class MoriSglangAll2AllManager(All2AllManagerBase):
         return self.handle_cache.get_or_create({"config": config}, self._make_op)
 
     def _make_op(self, config: EpConfig) -> EpDispatchCombineOp:
-        device = _current_device()
+        device = current_device()
         return EpDispatchCombineOp(config, group=self._group_for(device), device=device)
 
     def _group_for(self, device: torch.device) -> dist.ProcessGroup:
