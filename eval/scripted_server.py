@@ -31,6 +31,8 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from mori_sglang.cli import port
+
 QUESTION_MARK = "Question: "
 ANSWER_MARK = "\nAnswer:"
 
@@ -176,12 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.scripted_server", description=__doc__.splitlines()[0])
     parser.add_argument("--script", required=True, help="JSON script (see the module docstring)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=port, required=True)
     parser.add_argument("--expect-env", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)
     _check_env(args.expect_env)
-    with open(args.script, encoding="utf-8") as f:
-        script = json.load(f)
+    try:
+        with open(args.script, encoding="utf-8") as f:
+            script = json.load(f)
+    except (OSError, ValueError) as e:
+        parser.error(f"--script {args.script}: {e}")
     with ScriptedServer(script, args.port, args.host) as server:
         print(f"scripted server on {args.host}:{server.port}", flush=True)
         server.serve_forever()

@@ -183,7 +183,7 @@ def test_ab_reports_a_server_that_never_comes_up(rng: random.Random, tmp_path: P
         "| fp8 | failed | n/a | 7392 |",
         "| bf16 | 1.000 | — | 14336 |",
         "",
-        "- fp8: server exited with code 1 before it was healthy:",
+        "- fp8: server exited with code 2 before it was healthy:",
     ]
     assert "No such file or directory" in result.stderr
 

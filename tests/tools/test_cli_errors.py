@@ -58,7 +58,9 @@ USAGE_ERRORS = [
     (LAYER, ["--modes", "fp4"], "argument --modes: 'fp4' is not a mode"),
     (LAYER, ["--topk", "300", "--device", "cpu"], "topk=300 must be in [1, num_experts=256]"),
     (LAYER, ["--median", "-1", "--device", "cpu"], "expert outputs: median must be > 0"),
-    (SCRIPTED, ["--port", "x"], "argument --port: invalid int value: 'x'"),
+    (SCRIPTED, ["--port", "x"], "argument --port: 'x' is not a number"),
+    (SCRIPTED, ["--port", "99999", "--script", "s.json"], "argument --port: 99999 is not a TCP port (1 to 65535)"),
+    (SCRIPTED, ["--port", "1", "--script", "no-such.json"], "--script no-such.json: [Errno 2] No such file"),
 ]
 
 CONFIGURATION_ERRORS = [
