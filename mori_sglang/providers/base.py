@@ -84,6 +84,13 @@ class EpProvider(ABC):
     @abstractmethod
     def __init__(self, setup: ProviderSetup) -> None: ...
 
+    def refuse_fused_quantization(self, quantize: bool) -> None:
+        """Guard of a provider whose ``fused_quantization`` is empty: the op quantizes its tokens first."""
+        if quantize:
+            raise RuntimeError(
+                f"the {self.display_name} provider carries pre-quantized tokens (it fuses no quantization)"
+            )
+
     @abstractmethod
     def dispatch_send(
         self,

@@ -172,8 +172,7 @@ class MoriV1Provider(MoriProvider):
         layout: formats.DispatchRowLayout,
         quantize: bool = False,
     ) -> None:
-        if quantize:
-            raise RuntimeError("the MoRI provider carries pre-quantized tokens (it fuses no quantization)")
+        self.refuse_fused_quantization(quantize)
         self._num_tokens = payload.shape[0]
         self._sent_ids, sent_weights = self._routing(ids, weights)
         padded = None

@@ -118,8 +118,7 @@ class MoriV2Provider(MoriProvider):
         layout: formats.DispatchRowLayout,
         quantize: bool = False,
     ) -> None:
-        if quantize:
-            raise RuntimeError("the MoRI provider carries pre-quantized tokens (it fuses no quantization)")
+        self.refuse_fused_quantization(quantize)
         dropped = mori_ids.flag_past_last(ids, self.config.num_experts, self._status)
         sent_ids = mori_ids.negative_for_dropped(ids, dropped)
         rows = None if scales is None or not layout.scale_bytes else scales.contiguous()

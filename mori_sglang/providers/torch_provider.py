@@ -109,8 +109,7 @@ class TorchProvider(EpProvider):
         layout: formats.DispatchRowLayout,
         quantize: bool = False,
     ) -> None:
-        if quantize:
-            raise RuntimeError("the torch provider carries quantized tokens (it fuses no quantization)")
+        self.refuse_fused_quantization(quantize)
         cfg = self.config
         plan = plan_dispatch(ids, cfg.num_local_experts, cfg.world_size, cfg.max_tokens_per_rank)
         n = payload.shape[0]
