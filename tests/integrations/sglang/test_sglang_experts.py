@@ -456,7 +456,10 @@ def check_output(
     assert got.shape == full.shape and got.dtype == torch.bfloat16, where
     assert torch.isfinite(got).all(), where
     expected = partials.float().sum(dim=0)
-    bound = 2.0**-7 * expected.abs()
+    # one bf16 step of the result, plus f32's error for summing the partials in another order: where
+    # they cancel, that error is not small against the sum itself
+    order_error = partials.shape[0] * 2.0**-24 * partials.float().abs().sum(dim=0)
+    bound = 2.0**-7 * expected.abs() + order_error
     excess = float(((got.float() - expected).abs() - bound).max()) if got.numel() else 0.0
     assert excess <= 0, f"{where}: EP output differs from the summed partials by {excess} over the bound"
     local = EXPERTS // world_size
