@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.exchange import LoopbackHub
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 ALL_DISPATCH = frozenset(DispatchDtype)
@@ -90,6 +91,14 @@ class EpProvider(ABC):
             raise RuntimeError(
                 f"the {self.display_name} provider carries pre-quantized tokens (it fuses no quantization)"
             )
+
+    def set_kernel_tuning(self, tuning: KernelTuning) -> None:
+        """Launch this provider's Triton kernels with ``tuning`` from the next call on (benchmarks, tuning
+        sweeps). Only a provider that runs our kernels has launch shapes to set; the others refuse."""
+        raise ConfigError(
+            f"the {self.display_name} provider runs no Triton kernels of ours, so it takes no kernel tuning; "
+            "use the triton provider (SGLANG_MORI_BACKEND=triton)"
+        )
 
     @abstractmethod
     def dispatch_send(

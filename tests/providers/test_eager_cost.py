@@ -12,7 +12,6 @@ import random
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.kernels import transport
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 
 pytestmark = pytest.mark.skipif(
@@ -147,8 +147,7 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
 ) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(mode))
-    for op in world.ops:
-        op.provider.tuning = replace(op.provider.tuning, route_block=ROUTE_BLOCK)
+    world.set_kernel_tuning(KernelTuning(route_block=ROUTE_BLOCK))
     reference = LoopbackWorld(_config(mode, Provider.TORCH))
     for n in BATCHES:  # the first step of a batch size binds its launches and views
         _step(world, [_inputs(n, gen, ids_dtype) for _ in range(WORLD)], _expert_outputs(gen))
@@ -162,5 +161,24 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
         assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
         assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
         # The bound launches read this step's tensors: the same results as the torch provider.
+        for got, want in zip(combined, _step(reference, batches, ys), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
+    """Launches bound under the default routing block (one pass over 70 tokens) give way to a tuning set
+    after them (blocks of 64 tokens: two passes), with the same results as the torch provider."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    world = LoopbackWorld(_config(Mode.LOW_LATENCY))
+    reference = LoopbackWorld(_config(Mode.LOW_LATENCY, Provider.TORCH))
+    n = BATCHES[1]
+    for routing_passes, tuning in ((1, None), (2, KernelTuning(route_block=ROUTE_BLOCK))):
+        if tuning is not None:
+            world.set_kernel_tuning(tuning)
+        batches = [_inputs(n, gen, torch.int32) for _ in range(WORLD)]
+        ys = _expert_outputs(gen)
+        record = CallRecorder(kernel_runs)
+        combined = _step(world, batches, ys, record)
+        assert [record.launches[("dispatch_send", r)] for r in range(WORLD)] == [routing_passes + 1] * WORLD
         for got, want in zip(combined, _step(reference, batches, ys), strict=True):
             assert torch.equal(got, want)
