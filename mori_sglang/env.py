@@ -164,8 +164,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLANG_MORI_PEER_TIMEOUT_S",
         str(DEFAULT_PEER_TIMEOUT_S),
         "How long a receive waits for a peer that never sends before it raises PeerTimeoutError naming "
-        "both ranks (wall-clock seconds; Triton provider in every mode, torch provider over gloo; over NCCL the "
-        "process group's timeout applies).",
+        "this rank (wall-clock seconds). Triton provider: in the kernels, every mode, naming the peer; torch "
+        "provider: per peer over gloo, the whole all_to_all over NCCL / RCCL (a host wait per receive; inside "
+        "a CUDA graph only synchronize() bounds it); native MoRI: only synchronize(), MoRI's kernels have no "
+        "timeout (docs/api.md).",
         kind="seconds",
     ),
     EnvVar(

@@ -5,7 +5,9 @@ post (at send time) and wait (at receive time), so a loopback world can drive al
 all ranks' receives, from one thread, and a distributed group overlaps the transfer with compute.
 
 A wait gives up on a peer that never sends after SGLANG_MORI_PEER_TIMEOUT_S: over gloo each peer's
-rows come through a receive of their own, waited with the time left, so the error names the peer.
+rows come through a receive of their own, waited with the time left, so the error names the peer; over
+NCCL / RCCL the host waits for the all_to_all with the timeout (a collective cannot tell which peer
+never sent). Inside CUDA graph capture the wait is the stream's, as before.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mori_sglang.env import DEFAULT_PEER_TIMEOUT_S
-from mori_sglang.types import PeerTimeoutError, peer_timeout_error
+from mori_sglang.types import PeerTimeoutError, collective_timeout_error, peer_timeout_error
 
 
 class ExchangeError(PeerTimeoutError):
@@ -55,14 +57,29 @@ class Exchange(Protocol):
 
 class DistExchange:
     """all_to_all_single over a ProcessGroup (NCCL, RCCL; across nodes), or over gloo a send and a
-    receive per peer, each receive waited with what is left of ``timeout_s``."""
+    receive per peer, each receive waited with what is left of ``timeout_s``.
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> None:
+    The all_to_all's waits block the host until the rows arrived or ``timeout_s`` passed (one host
+    synchronisation per receive), except inside CUDA graph capture, where the current stream waits.
+    ``collective``: take the all_to_all path over gloo too (the path NCCL and RCCL always take).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        *,
+        collective: bool = False,
+    ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
-        self._per_peer = dist.get_backend(group) == "gloo"
+        backend = dist.get_backend(group)
+        self._per_peer = backend == "gloo" and not collective
+        # gloo counts a wait's timeout from the wait call; ProcessGroupNCCL (and the other device
+        # backends) from when the collective was issued, so they are given the whole timeout.
+        self._timeout_from_call = backend == "gloo"
 
     def _counts_device(self, rows: torch.Tensor) -> torch.device:
         backend = dist.get_backend(self.group)
@@ -92,6 +109,21 @@ class DistExchange:
 
         return wait
 
+    def _wait_collective(self, work: dist.Work, posted_at: float, on_gpu: bool, what: str) -> None:
+        """Wait for an all_to_all posted at ``posted_at`` (time.monotonic) until ``timeout_s`` after it.
+        Over NCCL the timed-out wait aborts the group's communicator before it raises."""
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            work.wait()  # a blocking host wait is not allowed while capturing: the stream waits
+            return
+        left = self.timeout_s
+        if self._timeout_from_call:
+            left = max(posted_at + self.timeout_s - time.monotonic(), 0.001)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as error:
+            peers = [peer for peer in range(self.world_size) if peer != self.rank]
+            raise collective_timeout_error(self.rank, peers, self.timeout_s, what) from error
+
     def _variable_per_peer(self, rows: torch.Tensor, send_counts: list[int]) -> Pending:
         counts = torch.tensor(send_counts, dtype=torch.int64)
         recv_counts_t = torch.empty_like(counts)
@@ -113,13 +145,16 @@ class DistExchange:
         device = self._counts_device(rows)
         counts = torch.tensor(send_counts, dtype=torch.int64, device=device)
         recv_counts_t = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts_t, counts, group=self.group)
+        posted_at = time.monotonic()
+        work = dist.all_to_all_single(recv_counts_t, counts, group=self.group, async_op=True)
+        self._wait_collective(work, posted_at, counts.is_cuda, "row counts")
         recv_counts = recv_counts_t.tolist()
         out = torch.empty((sum(recv_counts), *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        posted_at = time.monotonic()
         work = dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group, async_op=True)
 
         def finish() -> tuple[torch.Tensor, list[int] | None]:
-            work.wait()
+            self._wait_collective(work, posted_at, out.is_cuda, "rows")
             return out, recv_counts
 
         return _PostedExchange(finish)
@@ -137,10 +172,11 @@ class DistExchange:
                 return out.to(chunks.device), None
 
             return _PostedExchange(finish_per_peer)
+        posted_at = time.monotonic()
         work = dist.all_to_all_single(out, send.contiguous(), group=self.group, async_op=True)
 
         def finish() -> tuple[torch.Tensor, list[int] | None]:
-            work.wait()
+            self._wait_collective(work, posted_at, out.is_cuda, "per-rank slots")
             return out.to(chunks.device), None
 
         return _PostedExchange(finish)

@@ -23,6 +23,7 @@ from mori_sglang.checks import (
     check_outputs_cover_received,
 )
 from mori_sglang.config import ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.device_wait import wait_for_device
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.providers import resolve_provider
@@ -167,9 +168,10 @@ class EpDispatchCombineOp:
         return self.provider.combine_recv()
 
     def synchronize(self) -> None:
-        """Wait for this rank's device work; raise if a receive gave up on a stalled peer."""
+        """Wait for this rank's device work, at most SGLANG_MORI_PEER_TIMEOUT_S (the bound native MoRI's
+        kernels lack); raise if a receive gave up on a stalled peer."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            wait_for_device(self.device, self.config.peer_timeout_s, self.config.rank)
         self.provider.check_status()
 
     def combine(self, y: torch.Tensor, handle: CombineHandle) -> torch.Tensor:

@@ -27,6 +27,26 @@ def peer_timeout_error(rank: int, peer: int | None, timeout_s: float) -> PeerTim
     )
 
 
+def collective_timeout_error(rank: int, peers: list[int], timeout_s: float, what: str) -> PeerTimeoutError:
+    """The error of a collective receive that gave up: it cannot tell which of the peers never sent."""
+    return PeerTimeoutError(
+        f"rank {rank} waited {timeout_s:g} s ({PEER_TIMEOUT_VAR}) for the {what} of one all_to_all with ranks "
+        f"{peers}, which did not complete: one of them never sent (a collective cannot tell which); it is "
+        "stalled, crashed or ran a different number of dispatch/combine calls"
+    )
+
+
+def device_wait_timeout_error(rank: int, timeout_s: float) -> PeerTimeoutError:
+    """The error of a host wait for the device that gave up: a kernel that waits without a bound of its
+    own (native MoRI; an all_to_all in a CUDA graph) still waits for a peer, and cannot say which."""
+    return PeerTimeoutError(
+        f"rank {rank} waited {timeout_s:g} s ({PEER_TIMEOUT_VAR}) in synchronize() for its device work, which did "
+        "not finish: a receive still waits for a peer that never sent (native MoRI's kernels and an all_to_all "
+        "in a CUDA graph wait without a bound of their own and cannot tell which peer); the kernel keeps the "
+        "device busy, so end this process"
+    )
+
+
 def short_expert_outputs_error(received: int, rows: int | None = None) -> InputError:
     """Expert outputs with fewer rows than the dispatch received: never a silent drop."""
     got = f"{rows} rows" if rows is not None else "fewer rows"

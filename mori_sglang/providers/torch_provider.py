@@ -2,7 +2,9 @@
 
 It is the reference the kernels must match byte for byte and the multi-node path. Intranode mode
 exchanges exactly the copies (one host sync for the counts); low-latency mode exchanges fixed
-per-source slots (``max_tokens_per_rank`` rows per source, no host sync, graph-capturable on NCCL).
+per-source slots (``max_tokens_per_rank`` rows per source, no counts on the host, graph-capturable on
+NCCL). Every receive waits at most SGLANG_MORI_PEER_TIMEOUT_S (see ``exchange``): over NCCL an eager
+receive is therefore a host wait; a captured one is the stream's.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ import torch
 
 from mori_sglang import env, formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.device_wait import wait_for
 from mori_sglang.env import EnvError
+from mori_sglang.exchange import DistExchange
 from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
@@ -486,6 +488,81 @@ def _stalled_peer(rank: int, world_size: int, mode: Mode) -> None:
 def test_gloo_receive_from_a_stalled_peer_raises_in_time(mode: Mode, tmp_path: Path) -> None:
     """Over gloo the torch provider no longer waits the process group's 30 minutes."""
     run_gloo(2, _stalled_peer, (mode,), tmp_path, timeout_s=60)
+
+
+def _collective_round_then_stalled_peer(rank: int, world_size: int, mode: Mode, seed: int) -> None:
+    """The all_to_all path NCCL and RCCL take, driven over gloo: a round trip equals the per-peer
+    path's, then the last rank never sends and every other rank's receive raises in time."""
+    cfg = EpConfig(world_size, rank, 128, 6, 2, max_tokens_per_rank=2, mode=mode, provider="torch",
+                   peer_timeout_s=1.0)  # fmt: skip
+    op = EpDispatchCombineOp(cfg, device="cpu")
+    gen = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(2, 128, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(2, 2, generator=gen)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(2)])
+    combined = []
+    for exchange in (op.provider.exchange, DistExchange(None, cfg.peer_timeout_s, collective=True)):
+        op.provider.exchange = exchange
+        op.dispatch_send(x, weights, None, ids)
+        out = op.dispatch_recv()
+        op.combine_send(out.tokens * (rank + 2), out.handle)
+        combined.append(op.combine_recv())
+    assert torch.equal(combined[0].view(torch.int16), combined[1].view(torch.int16))
+    if rank == world_size - 1:
+        time.sleep(4.0)  # never sends; stays alive past the others' deadline
+        return
+    peers = ", ".join(str(peer) for peer in range(world_size) if peer != rank)
+    pattern = rf"rank {rank} waited 1 s \(SGLANG_MORI_PEER_TIMEOUT_S\) for the .* with ranks \[{peers}\]"
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match=pattern):
+        op.dispatch_send(x, weights, None, ids)
+        op.dispatch_recv()
+    assert time.monotonic() - start < 3.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [Mode.INTRANODE, Mode.LOW_LATENCY])
+def test_collective_receive_from_a_stalled_peer_raises_in_time(mode: Mode, tmp_path: Path, seed: int) -> None:
+    """Over an all_to_all (NCCL, RCCL) the torch provider no longer waits the process group's timeout:
+    the counts (intranode) and the rows (low-latency) are waited with SGLANG_MORI_PEER_TIMEOUT_S."""
+    run_gloo(3, _collective_round_then_stalled_peer, (mode, seed), tmp_path, timeout_s=60)
+
+
+class _Completion:
+    """A device event's stand-in: done after ``polls`` queries (never, for None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls = polls
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+
+def test_the_host_wait_for_the_device_gives_up_in_time() -> None:
+    """synchronize()'s wait (the only bound a native MoRI kernel waiting on a stalled peer has) raises
+    PeerTimeoutError naming the rank and the variable after the timeout, and returns once the work is done."""
+    start = time.monotonic()
+    pattern = r"rank 3 waited 0.3 s \(SGLANG_MORI_PEER_TIMEOUT_S\) in synchronize\(\) for its device work"
+    with pytest.raises(PeerTimeoutError, match=pattern):
+        wait_for(_Completion(None), 0.3, 3)
+    assert 0.3 <= time.monotonic() - start < 2.0
+    done = _Completion(5)
+    wait_for(done, 10.0, 0)
+    assert done.queries == 6
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: a kernel that outlasts the timeout")
+def test_synchronize_gives_up_on_device_work_past_the_timeout() -> None:
+    cfg = EpConfig(1, 0, 128, 2, 1, max_tokens_per_rank=2, provider="torch", peer_timeout_s=0.2)
+    op = LoopbackWorld(cfg, DEVICE).ops[0]
+    torch.cuda._sleep(int(10e9))  # seconds of spinning, as a kernel waiting on a stalled peer does
+    try:
+        with pytest.raises(PeerTimeoutError, match=r"rank 0 waited 0.2 s \(SGLANG_MORI_PEER_TIMEOUT_S\)"):
+            op.synchronize()
+    finally:
+        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -303,3 +303,34 @@ def test_the_v2_provider_names_only_what_the_real_package_has() -> None:
         ast.unparse(target) for node in ast.walk(routing) if isinstance(node, ast.Assign) for target in node.targets
     }
     assert {"self.cur_rank_num_token", "self.disp_dest_tok_id_map"} <= assigned
+
+
+SHMEM_WAITS = "mori/_jit-sources/include/mori/shmem/shmem_device_api.hpp"
+
+
+def _env_names(text: str) -> set[str]:
+    """The environment variables a Python or C++ source reads."""
+    return set(re.findall(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](\w+)["']""", text))
+
+
+def test_mori_bounds_no_wait_for_a_peer() -> None:
+    """docs/api.md ("A peer that never sends"): MoRI 1.2.4 offers no timeout for its dispatch/combine
+    waits, so SGLANG_MORI_PEER_TIMEOUT_S reaches them only at synchronize(). No config field, no variable
+    the ops read, and the shmem wait helpers the v1 kernels spin in have no deadline. A release that
+    adds a knob fails here: map the variable onto it."""
+    for path, name in CONFIGS:
+        fields = [field for field, _ in _fields(_class(_real(path), name))]
+        assert not [field for field in fields if re.search("timeout|deadline", field, re.I)], (path, fields)
+    with zipfile.ZipFile(_wheel()) as wheel:
+        sources = [
+            n for n in wheel.namelist()
+            if n.startswith(("mori/ops/", "mori/_jit-sources/src/ops/")) and n.endswith((".py", ".cpp", ".hpp"))
+        ]  # fmt: skip
+        read = set().union(*(_env_names(wheel.read(n).decode()) for n in sources))
+    assert {"MORI_EP_COMM", "MORI_DEVICE_NIC"} <= read  # the scan finds the variables the ops do read
+    assert not [name for name in read if "TIMEOUT" in name], read
+    waits = _real_text(SHMEM_WAITS)
+    for helper in ("ShmemTypeWaitUntilEquals", "ShmemTypeWaitUntilGreaterThan"):
+        body = re.search(rf"{helper}\(T\* addr, T val\) \{{(.*?)\n\}}", waits, re.S)
+        assert body, f"{helper} not found in {SHMEM_WAITS}"
+        assert "while" in body.group(1) and not re.search("clock|timeout", body.group(1), re.I), body.group(1)
