@@ -19,6 +19,10 @@ class KernelTuning:
     """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
     (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
 
+    # The routing inside the dispatch send (one launch per send), in tasks of this many tokens for one
+    # destination; otherwise two kernels before the send, in blocks of ``route_block`` tokens.
+    fused_routing: bool = True
+    fused_route_block: int = 64
     route_block: int = 256  # tokens per routing program; larger batches get more programs
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
@@ -49,6 +53,11 @@ class KernelTuning:
         return min(most, max(fewest, nearest))
 
     def __post_init__(self) -> None:
+        if self.fused_routing and self.send_warps != 1:
+            raise ValueError(
+                f"KernelTuning.send_warps={self.send_warps} with fused_routing: the routing's waits read each "
+                "poll as one value in a single warp; use send_warps=1 or fused_routing=False"
+            )
         if self.dispatch_recv_bytes_per_sm <= 0:
             raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
         for name in TILE_FIELDS:
@@ -58,6 +67,7 @@ class KernelTuning:
 
 
 TILE_FIELDS = (
+    "fused_route_block",
     "route_block",
     "send_tile",
     "copy_block",
