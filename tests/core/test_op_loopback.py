@@ -364,7 +364,7 @@ def test_kernel_tuning_is_refused_where_no_kernels_of_ours_run() -> None:
     with pytest.raises(
         ConfigError, match=r"the torch provider runs no Triton kernels of ours.*SGLANG_MORI_BACKEND=triton"
     ):
-        world.set_kernel_tuning(KernelTuning(send_warps=2))
+        world.set_kernel_tuning(KernelTuning(send_tile=2048))
 
 
 def test_loopback_hub_size_must_match() -> None:
