@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from mori_sglang import formats
+from mori_sglang import formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels.geometry import KernelTuning
@@ -25,10 +25,8 @@ from mori_sglang.types import CombineHandle, DispatchOutput
 
 ALL_DISPATCH = frozenset(DispatchDtype)
 ALL_MODES = frozenset(Mode)
-# The combine formats our own providers carry (native MoRI adds its fp4 combine).
-OUR_COMBINE_FORMATS = frozenset(
-    {CombineDtype.BF16, CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE, CombineDtype.FP8_DIRECT_CAST}
-)
+# The combine formats our own providers carry, those with a reference (native MoRI adds its fp4 combine).
+OUR_COMBINE_FORMATS = frozenset(CombineDtype(f.name) for f in wire_formats.COMBINE_FORMATS if f.has_reference)
 
 
 @dataclass(frozen=True)
