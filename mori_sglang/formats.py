@@ -35,10 +35,9 @@ import torch
 
 from mori_sglang import wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype
-from mori_sglang.wire_formats import FP8_BLOCK, MX_GROUP
+from mori_sglang.wire_formats import FP8_BLOCK
 
 SCALE_ROW_ALIGN = 128
-DISPATCH_FP8_GROUP = FP8_BLOCK
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF  # the e8m0 NaN code: its whole group decodes to NaN
 FP4_E2M1_EMAX = 2  # exponent of the largest e2m1 power of two (4)
@@ -311,14 +310,13 @@ def quantize_dispatch(
     if dtype is DispatchDtype.BF16:
         return x.to(torch.bfloat16), None
     check_dispatch_hidden(dtype, hidden)
+    groups = _blocked(x, wire_formats.DISPATCH_BY_NAME[dtype.value].scale_group)
     if dtype is DispatchDtype.FP8:
-        groups = _blocked(x, DISPATCH_FP8_GROUP)
         amax = _finite_amax(groups).clamp(min=1e-10)
         limit = torch.full_like(amax, fp8_max(fp8_dtype))
         scales = amax / limit
         q = saturating_fp8_cast(groups * (limit / amax)[:, :, None], fp8_dtype)
         return _unblocked(q.view(torch.uint8), hidden).contiguous().view(fp8_dtype), scales
-    groups = _blocked(x, MX_GROUP)
     amax = _finite_amax(groups)
     exp = _e8m0_exponent(amax, mx_emax(dtype, fp8_dtype))
     scaled = groups / _e8m0_scale(exp)[:, :, None]
@@ -351,8 +349,9 @@ def dequantize_dispatch(
     if dtype is DispatchDtype.BF16:
         return payload.float()
     groups = dispatch_scale_groups(dtype, hidden)
+    group = wire_formats.DISPATCH_BY_NAME[dtype.value].scale_group
     if dtype is DispatchDtype.FP8:
-        values = _blocked(payload.float(), DISPATCH_FP8_GROUP)
+        values = _blocked(payload.float(), group)
         return _unblocked(values * _scale_columns(scales.float(), n, groups)[:, :, None], hidden)
     codes = _scale_columns(scales.contiguous().view(torch.uint8), n, groups)
     scale = torch.where(codes == E8M0_NAN, math.nan, _e8m0_scale(codes.long() - E8M0_BIAS))
@@ -362,7 +361,7 @@ def dequantize_dispatch(
         packed = payload.contiguous().view(torch.uint8)
         nibbles = torch.stack((packed & 0xF, packed >> 4), dim=2).view(n, hidden)
         values = _e2m1_decode(nibbles)
-    return _unblocked(_blocked(values, MX_GROUP) * scale[:, :, None], hidden)
+    return _unblocked(_blocked(values, group) * scale[:, :, None], hidden)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,16 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mori_sglang import env, formats
-from mori_sglang.config import DispatchDtype, EpConfig
+from mori_sglang import env, formats, wire_formats
+from mori_sglang.config import EpConfig
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.mori_provider import MoriProvider
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 KERNEL_BACKEND = "hip"
-# Bytes of one scale element per dispatch dtype (f32 block scales, e8m0 microscales), as SGLang states them.
-SCALE_ELEMENT_BYTES = {DispatchDtype.FP8: 4, DispatchDtype.MXFP8: 1, DispatchDtype.MXFP4: 1}
 MIN_WINDOW_GIB = 4
 WINDOW_SLACK_BYTES = 1 << 20
 
@@ -38,7 +36,8 @@ def scale_row(config: EpConfig, layout: formats.DispatchRowLayout) -> tuple[int,
     custom row."""
     if not layout.scale_bytes:
         return 0, 0
-    size = SCALE_ELEMENT_BYTES.get(config.dispatch_dtype, 1)
+    # One scale's bytes (f32 block scales, e8m0 microscales), as SGLang states them; bytes without scales.
+    size = wire_formats.DISPATCH_BY_NAME[config.dispatch_dtype.value].scale_bytes or 1
     if layout.scale_bytes % size:
         size = 1
     return layout.scale_bytes // size, size

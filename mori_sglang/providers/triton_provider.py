@@ -69,9 +69,8 @@ def _words(nbytes: int) -> int:
 def check_word_rows(config: EpConfig, layout: formats.DispatchRowLayout) -> None:
     """The kernels move dispatch tokens in 4-byte words: refuse, naming hidden, a token that is not."""
     if layout.token_bytes % 4:
-        rule = {DispatchDtype.BF16: "even", DispatchDtype.MXFP4: "a multiple of 8"}.get(
-            config.dispatch_dtype, "a multiple of 4"
-        )
+        multiple = 32 // wire_formats.DISPATCH_BY_NAME[config.dispatch_dtype.value].element_bits  # per word
+        rule = "even" if multiple == 2 else f"a multiple of {multiple}"
         raise ConfigError(
             f"hidden={config.hidden}: the triton provider moves {config.dispatch_dtype.value} tokens in 4-byte "
             f"words and a token is {layout.token_bytes} B; use a hidden that is {rule}, or "
@@ -293,14 +292,14 @@ class TritonProvider(EpProvider):
         route_count = route = None
         if not fused:
             route_count, route = self._routing_launches(blocks, route_block, routes, layout)
-        quant = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value].kernel_code if quantize else QUANT_NONE
-        group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
-        tile_groups = max(1, self._tuning.send_tile // group)
-        if quantize:
+        if quantize:  # a tile is whole scale groups of the format's row in the table
+            fmt = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value]
+            quant, group = fmt.kernel_code, fmt.scale_group
+            tile_groups = max(1, self._tuning.send_tile // group)
             # MX scale rows end in zero pad bytes up to a dword: the tiles cover those "groups" too.
-            scale_entries = layout.scale_bytes // (4 if cfg.dispatch_dtype is DispatchDtype.FP8 else 1)
-            tiles = triton.cdiv(scale_entries, tile_groups)
-        else:
+            tiles = triton.cdiv(layout.scale_bytes // fmt.scale_bytes, tile_groups)
+        else:  # a tile is words to copy, whatever the format: no groups
+            quant, group, tile_groups = QUANT_NONE, 1, 1
             tiles = triton.cdiv(_words(layout.token_bytes), self._tuning.copy_block)
         fixed = {
             **routes,

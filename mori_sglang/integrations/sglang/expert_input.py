@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mori_sglang import formats
+from mori_sglang import formats, wire_formats
 from mori_sglang.config import DispatchDtype
 
-PRE_QUANTIZED_GROUP = formats.DISPATCH_FP8_GROUP
+# Elements per f32 scale of the fp8 dispatch format: block-128 fp8 experts take such tokens as they are.
+PRE_QUANTIZED_GROUP = wire_formats.DISPATCH_BY_NAME[DispatchDtype.FP8.value].scale_group
 
 
 def expert_rows(capacity: int, recv_bound: int) -> int:

@@ -19,6 +19,7 @@ from mori_sglang.integrations.sglang.expert_input import (
     local_expert_counts,
     local_expert_ids,
 )
+from mori_sglang.wire_formats import FP8_BLOCK
 from tests.helpers import generator
 
 ON_GPU = torch.cuda.is_available()
@@ -167,7 +168,7 @@ def experts_on(activations: ExpertInput, ids: torch.Tensor, weights: torch.Tenso
     if activations.a1_q is None:
         x = activations.hidden_states.float()
     else:
-        groups = activations.a1_q.float().view(ids.shape[0], -1, formats.DISPATCH_FP8_GROUP)
+        groups = activations.a1_q.float().view(ids.shape[0], -1, FP8_BLOCK)
         x = (groups * activations.a1_scale.float()[:, :, None]).view(ids.shape[0], -1)
     out = torch.zeros(ids.shape[0], w2.shape[1], device=x.device)
     for expert in range(w13.shape[0]):
