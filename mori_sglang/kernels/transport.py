@@ -324,6 +324,64 @@ def route_count_kernel(
 
 
 @triton.jit
+def _write_routes(
+    ids_ptr,
+    peer_bases,
+    slot_of_pair_ptr,
+    row_of_pair_ptr,
+    send_counts_ptr,
+    status_ptr,
+    d,
+    b,
+    before,
+    last_block,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    rank,
+    max_tokens,
+    ROW_BYTES: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Number the tokens of block b that go to rank d, in token order, after the ``before`` tokens of
+    the earlier blocks, and return how many go.
+
+    A token goes to d once, through its first top-k slot whose expert lives on d (the owner);
+    ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
+    that point at d; rank 0's routing also writes -1 for dropped slots (id < 0). Same result as
+    routing.plan_dispatch. ``row_of_pair`` gets the byte address of the owner's row in rank d's arena
+    (0 for the other slots), so that the send finds its destinations in one load. The last block
+    writes ``send_counts[d]``.
+       An id past the last expert is dropped too, and rank 0's routing records ``id - (num_experts - 1)``
+    (at least 1, and no overflow for any int64 id) in ``status[1]`` so that the host raises without a
+    synchronisation on the hot path. Ids are int32 or int64, read as they are: none is truncated."""
+    k_offs = tl.arange(0, KP)
+    rows, ids, mask, dest, here, first, goes = _tokens_to(
+        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
+    )
+    position = before + tl.cumsum(goes, 0) - goes
+    owner = here & (k_offs[None, :] == first[:, None])
+    slot = tl.where(owner, d * max_tokens + position[:, None], -1)
+    row = tl.where(owner, tl.load(peer_bases + d) + (rank * max_tokens + position[:, None]) * ROW_BYTES, 0)
+    pair = rows[:, None] * K + k_offs[None, :]
+    tl.store(slot_of_pair_ptr + pair, slot, mask=here)
+    tl.store(row_of_pair_ptr + pair, row, mask=here)
+    if d == 0:
+        dropped = mask & (dest < 0)
+        tl.store(slot_of_pair_ptr + pair, tl.full(slot.shape, -1, tl.int64), mask=dropped)
+        tl.store(row_of_pair_ptr + pair, tl.zeros(slot.shape, tl.int64), mask=dropped)
+        too_big = tl.max(tl.where(mask & (ids >= num_experts), ids.to(tl.int64) - (num_experts - 1), 0))
+        if too_big > 0:
+            tl.atomic_max(status_ptr + 1, too_big)
+    count = tl.sum(goes, 0)
+    if last_block:
+        tl.store(send_counts_ptr + d, before + count)
+    return count
+
+
+@triton.jit
 def route_kernel(
     ids_ptr,
     peer_bases,
@@ -344,47 +402,169 @@ def route_kernel(
     BLOCKS_P2: tl.constexpr,  # the routing blocks rounded up to a power of two (1: one block)
     PDL: tl.constexpr,
 ):
-    """Program (d, b) numbers the tokens of block b that go to rank d, in token order, after the
-    tokens of the earlier blocks (route_count_kernel's counts; one block needs no first pass).
-
-    A token goes to d once, through its first top-k slot whose expert lives on d (the owner);
-    ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
-    that point at d; programs (0, b) also write -1 for dropped slots (id < 0). Same result as
-    routing.plan_dispatch. ``row_of_pair`` gets the byte address of the owner's row in rank d's arena
-    (0 for the other slots), so that the send kernel finds its destinations in one load.
-       An id past the last expert is dropped too, and programs (0, b) record ``id - (num_experts - 1)``
-    (at least 1, and no overflow for any int64 id) in ``status[1]`` so that the host raises without a
-    synchronisation on the hot path. Ids are int32 or int64, read as they are: none is truncated.
-    """
+    """Program (d, b) numbers the tokens of block b that go to rank d (``_write_routes``), after the
+    tokens of the earlier blocks (route_count_kernel's counts; one block needs no first pass)."""
     _routing_start(PDL)
     d = tl.program_id(0)
     b = tl.program_id(1)
     nb = tl.num_programs(1)
-    k_offs = tl.arange(0, KP)
     if BLOCKS_P2 > 1:
         earlier = tl.arange(0, BLOCKS_P2)
         before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0)
     else:
         before = tl.zeros((), dtype=tl.int64)
-    rows, ids, mask, dest, here, first, goes = _tokens_to(
+    _write_routes(
+        ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, d, b, before,
+        b == nb - 1, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, BLOCK_N,
+    )  # fmt: skip
+
+
+# The routing folded into the dispatch send (``FUSED_ROUTING``) is split into tasks: task ``b * W + d``
+# numbers the tokens of block b that go to rank d. Three int64 words per task hold the send's round
+# (``target``), so none is ever reset: ``claims`` (the round a program took the task in), ``counts``
+# (``target << 32 | tokens of the block that go to d``, published before the task waits for anything)
+# and ``routed`` (the round whose numbering the task has finished). Waits poll with plain loads, which
+# many programs can make at once without serializing on the words as atomics would; one acquire per
+# wait then orders the task's stores before the reads that follow it.
+TASK_TAG_SHIFT = tl.constexpr(32)
+
+
+@triton.jit
+def _count_before(
+    ids_ptr,
+    counts_ptr,
+    d,
+    b,
+    target,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NBP: tl.constexpr,
+    COUNT_SPINS: tl.constexpr,
+):
+    """Tokens of the blocks before b that go to rank d: the counts their tasks published, polled at
+    most COUNT_SPINS times; a count not published by then is made here (a count depends on nothing, so
+    no task ever waits on another without bound, however the programs are scheduled)."""
+    earlier = tl.arange(0, NBP)
+    lanes = earlier < b
+    words = counts_ptr + earlier * W + d
+    seen = tl.load(words, mask=lanes, other=0, volatile=True)
+    missing = lanes & ((seen >> TASK_TAG_SHIFT) != target)
+    spins = 0
+    while (tl.max(missing.to(tl.int32), 0) > 0) & (spins < COUNT_SPINS):
+        seen = tl.load(words, mask=lanes, other=0, volatile=True)
+        missing = lanes & ((seen >> TASK_TAG_SHIFT) != target)
+        spins += 1
+    before = tl.sum(tl.where(lanes & ~missing, seen - (target << TASK_TAG_SHIFT), 0), 0)
+    if tl.max(missing.to(tl.int32), 0) > 0:
+        for e in range(0, b):
+            if tl.sum(tl.where(earlier == e, missing.to(tl.int32), 0), 0) > 0:
+                _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
+                    ids_ptr, d, e * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
+                )
+                before += tl.sum(goes, 0)
+    return before
+
+
+@triton.jit
+def _route_task(
+    task,
+    target,
+    ids_ptr,
+    peer_bases,
+    slot_of_pair_ptr,
+    row_of_pair_ptr,
+    counts_ptr,
+    routed_ptr,
+    send_counts_ptr,
+    status_ptr,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    rank,
+    max_tokens,
+    ROW_BYTES: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NBP: tl.constexpr,
+    COUNT_SPINS: tl.constexpr,
+):
+    """Routing task ``b * W + d``: publish the block's count for d, wait for the earlier blocks' counts,
+    number the tokens (``_write_routes``) and mark the task routed (release)."""
+    d = task % W
+    b = task // W
+    _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
         ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
     )
-    position = before + tl.cumsum(goes, 0) - goes
-    owner = here & (k_offs[None, :] == first[:, None])
-    slot = tl.where(owner, d * max_tokens + position[:, None], -1)
-    row = tl.where(owner, tl.load(peer_bases + d) + (rank * max_tokens + position[:, None]) * ROW_BYTES, 0)
-    pair = rows[:, None] * K + k_offs[None, :]
-    tl.store(slot_of_pair_ptr + pair, slot, mask=here)
-    tl.store(row_of_pair_ptr + pair, row, mask=here)
-    if d == 0:
-        dropped = mask & (dest < 0)
-        tl.store(slot_of_pair_ptr + pair, tl.full(slot.shape, -1, tl.int64), mask=dropped)
-        tl.store(row_of_pair_ptr + pair, tl.zeros(slot.shape, tl.int64), mask=dropped)
-        too_big = tl.max(tl.where(mask & (ids >= num_experts), ids.to(tl.int64) - (num_experts - 1), 0))
-        if too_big > 0:
-            tl.atomic_max(status_ptr + 1, too_big)
-    if b == nb - 1:
-        tl.store(send_counts_ptr + d, before + tl.sum(goes, 0))
+    tl.atomic_xchg(counts_ptr + task, (target << TASK_TAG_SHIFT) | tl.sum(goes, 0), sem="relaxed", scope="gpu")
+    before = _count_before(
+        ids_ptr, counts_ptr, d, b, target, num_tokens, num_experts, num_local_experts, K, KP, W, BLOCK_N, NBP,
+        COUNT_SPINS,
+    )  # fmt: skip
+    last_block = b >= tl.cdiv(num_tokens, BLOCK_N) - 1  # an empty batch has one block, of no tokens
+    _write_routes(
+        ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, d, b, before,
+        last_block, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, BLOCK_N,
+    )  # fmt: skip
+    tl.debug_barrier()  # every thread's stores precede the mark
+    tl.atomic_xchg(routed_ptr + task, target, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await_block(
+    b,
+    target,
+    ids_ptr,
+    peer_bases,
+    slot_of_pair_ptr,
+    row_of_pair_ptr,
+    counts_ptr,
+    routed_ptr,
+    claims_ptr,
+    send_counts_ptr,
+    status_ptr,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    rank,
+    max_tokens,
+    ROW_BYTES: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NBP: tl.constexpr,
+    COUNT_SPINS: tl.constexpr,
+):
+    """Return once every task of block b is routed, taking over the tasks no program has claimed yet:
+    the tasks a wait depends on are all running or done, so the send makes progress however its
+    programs are scheduled (in Triton's interpreter, one after another). The send runs one warp per
+    program, which reads each poll as one value."""
+    w_offs = tl.arange(0, WP)
+    lanes = w_offs < W
+    tasks = b * W + w_offs
+    late = lanes & (tl.load(routed_ptr + tasks, mask=lanes, other=0, volatile=True) < target)
+    while tl.max(late.to(tl.int32), 0) > 0:
+        free = late & (tl.load(claims_ptr + tasks, mask=late, other=0, volatile=True) < target)
+        if tl.max(free.to(tl.int32), 0) > 0:
+            claimed = free & (tl.atomic_max(claims_ptr + tasks, target, mask=free, sem="relaxed", scope="gpu") < target)
+            for d in range(W):  # a loop, not unrolled: one copy of the task's code
+                if tl.sum(tl.where(w_offs == d, claimed.to(tl.int32), 0), 0) > 0:
+                    _route_task(
+                        b * W + d, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, counts_ptr,
+                        routed_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank,
+                        max_tokens, ROW_BYTES, K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
+                    )  # fmt: skip
+        late = lanes & (tl.load(routed_ptr + tasks, mask=lanes, other=0, volatile=True) < target)
+    tl.atomic_add(routed_ptr + tasks, 0, mask=lanes, sem="acquire", scope="gpu")  # the tasks' stores first
+    tl.debug_barrier()  # every thread of the program reads the routing after the acquire
 
 
 @triton.jit
@@ -419,15 +599,23 @@ def dispatch_send_kernel(
     scales_ptr,
     weights_ptr,
     ids_ptr,
+    slot_of_pair_ptr,
     row_of_pair_ptr,
+    block_counts_ptr,
+    routed_ptr,
+    claims_ptr,
     send_counts_ptr,
+    status_ptr,
     tickets_ptr,
     round_ptr,
     num_tokens,
     num_experts,
+    num_local_experts,
     rank,
+    max_tokens,
     counts_offset,
     arrivals_offset,
+    ROW_BYTES: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     STRIDE_WORDS: tl.constexpr,
@@ -448,6 +636,10 @@ def dispatch_send_kernel(
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
     EMAX: tl.constexpr,
+    FUSED_ROUTING: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NBP: tl.constexpr,
+    COUNT_SPINS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Read each token once and write its packed row (token | zero-padded scale row | weights | ids)
@@ -462,6 +654,9 @@ def dispatch_send_kernel(
     tile 0 also writes the pad, the weights and the ids. The inputs are read as the caller made them:
     the tokens' words and the scale rows' words whatever their dtype, f32 or 16-bit weights (sent as
     f32), int32 or int64 ids.
+       With FUSED_ROUTING the routing runs in this launch (the routing kernels otherwise): program p
+    first takes routing tasks p, p + programs, ... (``_route_task``), then quantizes each item and
+    waits for its block's routing (``_await_block``) only before it stores.
        A program loads its next item's input before it works on the current one, so that two items'
     loads are in flight: the send is bound by the bytes it keeps in flight, and the extra registers
     (99 instead of 80 per thread for fp8, 168 instead of 96 for a copy) cost less than that gains."""
@@ -470,6 +665,16 @@ def dispatch_send_kernel(
     total = num_tokens * TILES
     TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
     x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
+    if FUSED_ROUTING:
+        target = tl.load(round_ptr) + 1  # this send's round: the last program advances round_ptr to it
+        for task in range(pid, tl.maximum(tl.cdiv(num_tokens, BLOCK_N), 1) * W, tl.num_programs(0)):
+            if tl.atomic_max(claims_ptr + task, target, sem="relaxed", scope="gpu") < target:
+                _route_task(
+                    task, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
+                    routed_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank,
+                    max_tokens, ROW_BYTES, K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
+                )  # fmt: skip
+    routed = -1  # the last block this program saw routed (its items' tokens only grow)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
@@ -479,8 +684,7 @@ def dispatch_send_kernel(
         x_next = _token_tile(x_ptr, following, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
         n = item // TILES
         tile = item % TILES
-        rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
-        present = rows != 0
+        # The item's wire values first: they do not depend on the routing.
         if (QUANT == QUANT_FP8) or (QUANT == QUANT_MXFP8):  # noqa: SIM109  the kernel compares constexprs
             if QUANT == QUANT_FP8:
                 NUM_GROUPS: tl.constexpr = (HIDDEN + GROUP - 1) // GROUP
@@ -488,7 +692,6 @@ def dispatch_send_kernel(
                 NUM_GROUPS: tl.constexpr = (HIDDEN + 4 * GROUP - 1) // (4 * GROUP) * 4
             groups = tile * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
             elem = tile * TILE_ELEMS + tl.arange(0, TILE_ELEMS)
-            in_range = elem < HIDDEN
             x = x_now.to(tl.float32)
             x2 = tl.reshape(x, (TILE_GROUPS, GROUP))
             if QUANT == QUANT_FP8:  # f32 scale amax / max; payload x * (max / amax)
@@ -500,9 +703,9 @@ def dispatch_send_kernel(
                 infinite = tl.max((tl.abs(x2) == float("inf")).to(tl.int32), axis=1) > 0
                 scale_row = tl.where(infinite, 255, exponent + 127).to(tl.uint8)
                 scaled = x2 * inverse[:, None]
-            q2 = _saturate_fp8(scaled, FP8_MAX, FP8)
-            _store_all(rows, 0, elem, tl.reshape(q2, (TILE_ELEMS,)), in_range, present, TILE_ELEMS, KP)
-            _store_all(rows, SCALE_AT * 4, groups, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
+            payload = tl.reshape(_saturate_fp8(scaled, FP8_MAX, FP8), (TILE_ELEMS,))
+            payload_at = elem
+            payload_in = elem < HIDDEN
         elif QUANT == QUANT_MXFP4:
             NUM_GROUPS: tl.constexpr = (HIDDEN + 4 * GROUP - 1) // (4 * GROUP) * 4
             PAIRS: tl.constexpr = GROUP // 2
@@ -518,14 +721,27 @@ def dispatch_send_kernel(
             even = tl.where(even != even, 0.0, even)
             odd = tl.where(odd != odd, 0.0, odd)
             packed = _e2m1(even * inverse[:, None]) | (_e2m1(odd * inverse[:, None]) << 4)
-            byte = tile * TILE + tl.arange(0, TILE)
-            packed = tl.reshape(packed.to(tl.uint8), (TILE,))
-            _store_all(rows, 0, byte, packed, byte < HIDDEN // 2, present, TILE, KP)
-            e8m0 = tl.where(poisoned, 255, exponent + 127).to(tl.uint8)
-            _store_all(rows, SCALE_AT * 4, groups, e8m0, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
+            payload = tl.reshape(packed.to(tl.uint8), (TILE,))
+            payload_at = tile * TILE + tl.arange(0, TILE)
+            payload_in = payload_at < HIDDEN // 2
+            scale_row = tl.where(poisoned, 255, exponent + 127).to(tl.uint8)
         else:
-            word = tile * BLOCK + offs
-            _store_all(rows, 0, word, x_now, word < TOKEN_WORDS, present, BLOCK, KP)
+            payload = x_now
+            payload_at = tile * BLOCK + offs
+            payload_in = payload_at < TOKEN_WORDS
+        if FUSED_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
+            if n // BLOCK_N > routed:
+                routed = n // BLOCK_N
+                _await_block(
+                    routed, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
+                    routed_ptr, claims_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts,
+                    rank, max_tokens, ROW_BYTES, K, KP, W, WP, BLOCK_N, NBP, COUNT_SPINS,
+                )  # fmt: skip
+        rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
+        present = rows != 0
+        _store_all(rows, 0, payload_at, payload, payload_in, present, payload_at.shape[0], KP)
+        if QUANT != QUANT_NONE:
+            _store_all(rows, SCALE_AT * 4, groups, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         if tile == 0:
             # The scale region (copied, or its zero pad after the quantized scales) in one step.
             first_pad = SCALE_WORDS if QUANT else 0

@@ -53,6 +53,10 @@ class KernelTuning:
     """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
     (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
 
+    # The routing inside the dispatch send (one launch per send), in tasks of this many tokens for one
+    # destination; otherwise two kernels before the send, in blocks of ``route_block`` tokens.
+    fused_routing: bool = True
+    fused_route_block: int = 64
     route_block: int = 256  # tokens per routing program; larger batches get more programs
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
@@ -83,6 +87,11 @@ class KernelTuning:
         return min(most, max(fewest, nearest))
 
     def __post_init__(self) -> None:
+        if self.fused_routing and self.send_warps != 1:
+            raise ValueError(
+                f"KernelTuning.send_warps={self.send_warps} with fused_routing: the routing's waits read each "
+                "poll as one value in a single warp; use send_warps=1 or fused_routing=False"
+            )
         if self.dispatch_recv_bytes_per_sm <= 0:
             raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
         for name in TILE_FIELDS:
@@ -92,6 +101,7 @@ class KernelTuning:
 
 
 TILE_FIELDS = (
+    "fused_route_block",
     "route_block",
     "send_tile",
     "copy_block",
@@ -108,6 +118,9 @@ DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
 # The kernels that count their finished work (one word of ``_tickets`` each, in this order).
 TICKETS = ("dispatch_send", "combine_send")
 
+# Polls of an earlier routing task's count before the task counts those tokens itself (on a GPU; the
+# interpreter runs programs one after another, so there it never waits).
+COUNT_SPINS = 64
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
 INTERPRETER_PROGRAMS = 2
 # The formats whose wire rows carry no scales: their kernels tile a row in blocks of this many elements,
@@ -219,7 +232,11 @@ class TritonProvider(EpProvider):
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
+        # Per routing block and destination: its count (tagged with the send's round when fused), and,
+        # for the routing inside the send, the round its task was claimed in and the round it finished.
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
+        self._route_claims = torch.zeros_like(self._block_counts)
+        self._routed = torch.zeros_like(self._block_counts)
         # Each copy's slot (for the combine) and destination row address (for the send right after the
         # routing), made by the routing; a dispatch's handle views the first rows.
         self._slot_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
@@ -321,7 +338,8 @@ class TritonProvider(EpProvider):
         ids = _contiguous(ids)
         if route_count is not None:
             route_count(ids)
-        route(ids)
+        if route is not None:
+            route(ids)
         if with_scales:
             send(_contiguous(payload), _contiguous(weights), ids, _contiguous(scales))
         else:
@@ -330,49 +348,29 @@ class TritonProvider(EpProvider):
 
     def _dispatch_launches(
         self, num_tokens: int, layout: formats.DispatchRowLayout, quantize: bool, with_scales: bool
-    ) -> tuple[BoundLaunch | None, BoundLaunch, BoundLaunch]:
-        """The routing (one or two kernels) and the send of a batch of ``num_tokens``."""
+    ) -> tuple[BoundLaunch | None, BoundLaunch | None, BoundLaunch]:
+        """The routing kernels (none when the send routes, one or two otherwise) and the send of a
+        batch of ``num_tokens``."""
         cfg = self.config
-        # Programs (destination, block of tokens); a batch of several blocks counts per block first.
-        route_block = min(self.tuning.route_block, max(triton.next_power_of_2(num_tokens), MIN_TILE))
+        fused = self.tuning.fused_routing
+        most = self.tuning.fused_route_block if fused else self.tuning.route_block
+        route_block = min(most, max(triton.next_power_of_2(num_tokens), MIN_TILE))
         blocks = max(1, triton.cdiv(num_tokens, route_block))
-        route_meta = {
-            "K": cfg.topk,
-            "KP": triton.next_power_of_2(cfg.topk),
-            "BLOCK_N": route_block,
-            "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
-        }
         experts = {"num_tokens": num_tokens, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_local_experts}
-        route_count = None
-        if blocks > 1:
-            route_count = self._bind(
-                transport.route_count_kernel,
-                (cfg.world_size, blocks),
-                {"block_counts_ptr": self._block_counts, **experts},
-                route_meta,
-                ("ids_ptr",),
-            )
-        route = self._bind(
-            transport.route_kernel,
-            (cfg.world_size, blocks),
-            {
-                "peer_bases": self.arena.peer_bases,
-                "slot_of_pair_ptr": self._slot_of_pair,
-                "row_of_pair_ptr": self._row_of_pair,
-                "block_counts_ptr": self._block_counts,
-                "send_counts_ptr": self.send_counts,
-                "status_ptr": self._status.flags,
-                **experts,
-                "rank": cfg.rank,
-                "max_tokens": cfg.max_tokens_per_rank,
-            },
-            {
-                **route_meta,
-                "ROW_BYTES": layout.row_bytes,
-                "BLOCKS_P2": triton.next_power_of_2(blocks) if blocks > 1 else 1,
-            },
-            ("ids_ptr",),
-        )
+        routes = {
+            "peer_bases": self.arena.peer_bases,
+            "slot_of_pair_ptr": self._slot_of_pair,
+            "row_of_pair_ptr": self._row_of_pair,
+            "block_counts_ptr": self._block_counts,
+            "send_counts_ptr": self.send_counts,
+            "status_ptr": self._status.flags,
+            **experts,
+            "rank": cfg.rank,
+            "max_tokens": cfg.max_tokens_per_rank,
+        }
+        route_count = route = None
+        if not fused:
+            route_count, route = self._routing_launches(blocks, route_block, routes, layout)
         quant = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value].kernel_code if quantize else QUANT_NONE
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
         tile_groups = max(1, self.tuning.send_tile // group)
@@ -383,14 +381,11 @@ class TritonProvider(EpProvider):
         else:
             tiles = triton.cdiv(_words(layout.token_bytes), self.tuning.copy_block)
         fixed = {
-            "peer_bases": self.arena.peer_bases,
-            "row_of_pair_ptr": self._row_of_pair,
-            "send_counts_ptr": self.send_counts,
+            **routes,
+            "routed_ptr": self._routed,
+            "claims_ptr": self._route_claims,
             "tickets_ptr": self._ticket("dispatch_send"),
             "round_ptr": self.rounds[0],
-            "num_tokens": num_tokens,
-            "num_experts": cfg.num_experts,
-            "rank": cfg.rank,
             "counts_offset": self.arena_layout.counts_offset,
             "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
         }
@@ -398,10 +393,11 @@ class TritonProvider(EpProvider):
             fixed["scales_ptr"] = self._no_scales
         send = self._bind(
             transport.dispatch_send_kernel,
-            self._grid(self.tuning.send_programs_per_sm, num_tokens * tiles),
+            self._grid(self.tuning.send_programs_per_sm, max(num_tokens * tiles, blocks * cfg.world_size)),
             fixed,
             {
                 **self._row_meta(layout),
+                "ROW_BYTES": layout.row_bytes,
                 "WP": triton.next_power_of_2(cfg.world_size),
                 "SCALE_WORDS": _words(layout.scale_bytes),
                 "BLOCK": self.tuning.copy_block,
@@ -414,12 +410,51 @@ class TritonProvider(EpProvider):
                 "FP8_MAX": formats.fp8_max(self.fp8_dtype),
                 "FP8": self.triton_fp8_type,
                 "EMAX": formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
+                "FUSED_ROUTING": fused,
+                "BLOCK_N": route_block,
+                "NBP": triton.next_power_of_2(blocks),
+                "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
                 "enable_fp_fusion": False,
                 "num_warps": self.tuning.send_warps,
             },
             ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
         return route_count, route, send
+
+    def _routing_launches(
+        self, blocks: int, route_block: int, routes: dict[str, object], layout: formats.DispatchRowLayout
+    ) -> tuple[BoundLaunch | None, BoundLaunch]:
+        """The routing kernels before a send that does not route: programs (destination, block of
+        tokens); a batch of several blocks counts per block first."""
+        cfg = self.config
+        route_meta = {
+            "K": cfg.topk,
+            "KP": triton.next_power_of_2(cfg.topk),
+            "BLOCK_N": route_block,
+            "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
+        }
+        experts = {name: routes[name] for name in ("num_tokens", "num_experts", "num_local_experts")}
+        route_count = None
+        if blocks > 1:
+            route_count = self._bind(
+                transport.route_count_kernel,
+                (cfg.world_size, blocks),
+                {"block_counts_ptr": self._block_counts, **experts},
+                route_meta,
+                ("ids_ptr",),
+            )
+        route = self._bind(
+            transport.route_kernel,
+            (cfg.world_size, blocks),
+            routes,
+            {
+                **route_meta,
+                "ROW_BYTES": layout.row_bytes,
+                "BLOCKS_P2": triton.next_power_of_2(blocks) if blocks > 1 else 1,
+            },
+            ("ids_ptr",),
+        )
+        return route_count, route
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
         """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""

@@ -104,10 +104,12 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return launches
 
 
-def _step(cfg: EpConfig, tokens: list[int]) -> None:
+def _step(cfg: EpConfig, tokens: list[int], fused_routing: bool) -> None:
     world = LoopbackWorld(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    for op in world.ops:  # blocks of 64 tokens, so that a 65-token batch takes the two-pass routing
-        op.provider.tuning = replace(op.provider.tuning, route_block=64)
+    for op in world.ops:  # blocks of 64 tokens, so that a 65-token batch spans two routing blocks
+        op.provider.tuning = replace(
+            op.provider.tuning, fused_routing=fused_routing, route_block=64, fused_route_block=64
+        )
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(world.device) for n in tokens]
     ids = [torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.to(world.device) for n in tokens]
@@ -152,7 +154,9 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     for i, (dispatch, combine) in enumerate(PAIRS):
         cfg = EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=65, dispatch_dtype=dispatch, combine_dtype=combine,
                        mode=Mode.INTRANODE, provider="triton", fp8_dtype=torch.float8_e4m3fn)  # fmt: skip
-        _step(cfg, [65 if i == 0 else 1] + [1] * 7)
+        _step(cfg, [65 if i == 0 else 1] + [1] * 7, fused_routing=True)
+        if i == 0:  # the routing kernels of a send that does not route, two passes included
+            _step(cfg, [65] + [1] * 7, fused_routing=False)
     monkeypatch.undo()
     unique = [json.loads(u) for u in sorted({json.dumps(launch, sort_keys=True) for launch in launches})]
     assert {s["kernel"] for s in unique} == set(KERNELS)
