@@ -6,11 +6,8 @@
 # environment cannot silently change a run, and it prints (--dry-run) or runs exactly one command.
 
 PYTHON=${PYTHON:-python3}
-# The values mori_sglang/env.py accepts for SGLANG_MORI_COMBINE_DTYPE, SGLANG_MORI_DISPATCH_DTYPE and
-# SGLANG_MORI_BACKEND (a test keeps them equal; a dry run needs no Python to read them).
-COMBINE_CHOICES=(auto bf16 fp8 fp8_direct_cast fp4)
-DISPATCH_CHOICES=(auto bf16 fp8 mxfp8 fp4)
-PROVIDER_CHOICES=(auto mori triton torch)
+# The checkout this directory belongs to: its mori_sglang/env.py holds the values the options accept.
+CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MODEL=""
 COMBINE_DTYPE=${SGLANG_MORI_COMBINE_DTYPE:-bf16}
 DISPATCH_DTYPE=auto
@@ -55,8 +52,24 @@ Options:
   -h, --help                this text
   -- ARGS...                passed to the server unchanged, except flags the recipe sets itself
 Options take their value as --option VALUE or --option=VALUE.
-Environment: PYTHON (default python3) is the interpreter that runs the server.
+Environment: PYTHON (default python3) is the interpreter that runs the server; python3 on PATH reads
+the accepted dtypes and providers from this checkout's mori_sglang/env.py.
 USAGE
+}
+
+# Sets COMBINE_CHOICES, DISPATCH_CHOICES and PROVIDER_CHOICES to the values mori_sglang/env.py accepts
+# for SGLANG_MORI_COMBINE_DTYPE, SGLANG_MORI_DISPATCH_DTYPE and SGLANG_MORI_BACKEND (the wire-format
+# table's names). python3 on PATH reads them from this checkout, importing neither torch nor a
+# framework, so a dry run needs no GPU and no installed mori_sglang; the server's PYTHON checks the
+# exported values again before it starts.
+read_choices() {
+    local table
+    # Run from the checkout: -m puts the working directory first on the module path.
+    table=$(cd "$CHECKOUT" && python3 -B -m mori_sglang.env --choices \
+        SGLANG_MORI_COMBINE_DTYPE SGLANG_MORI_DISPATCH_DTYPE SGLANG_MORI_BACKEND) ||
+        die "python3 on PATH cannot read the accepted values from $CHECKOUT/mori_sglang/env.py"
+    { read -ra COMBINE_CHOICES && read -ra DISPATCH_CHOICES && read -ra PROVIDER_CHOICES; } <<<"$table" ||
+        die "mori_sglang/env.py --choices printed too few lines: $table"
 }
 
 one_of() {  # one_of FLAG VALUE CHOICE...
@@ -194,6 +207,7 @@ export_mori_env() {  # export_mori_env SPLIT(0|1)
 prepare() {
     local vendor=$1 split=$2
     shift 2
+    read_choices
     parse_args "$@"
     check_model_dir
     check_gpus "$vendor"

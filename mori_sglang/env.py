@@ -270,9 +270,23 @@ def main(argv: list[str] | None = None) -> int:
     """Print every variable as the project reads it (its value, or the default), after checking it."""
     parser = argparse.ArgumentParser(prog="python -m mori_sglang.env", description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the README table")
+    parser.add_argument(
+        "--choices",
+        nargs="+",
+        metavar="VARIABLE",
+        help="print the values each variable accepts, one line per variable, space-separated (for scripts)",
+    )
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown_table())
+        return 0
+    if args.choices:
+        for name in args.choices:
+            var = ENV_BY_NAME.get(name)
+            if var is None or var.choices is None:
+                listed = ", ".join(v.name for v in ENV_VARS if v.choices)
+                parser.error(f"--choices {name}: not a variable with a fixed set of values ({listed})")
+            print(" ".join(var.choices))
         return 0
     errors = []
     for var in ENV_VARS:

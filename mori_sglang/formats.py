@@ -145,10 +145,9 @@ def combine_scale_offset(hidden: int) -> int:
 
 def check_combine_reference(dtype: CombineDtype) -> None:
     """Refuse a combine format this module has no reference for (native MoRI's fp4, carried by MoRI alone)."""
-    if wire_formats.COMBINE_BY_NAME[dtype.value].kernel_code is None:
-        raise ConfigError(
-            f"combine dtype {dtype.value} has no reference wire format; use bf16, fp8 or fp8_direct_cast"
-        )
+    if not wire_formats.COMBINE_BY_NAME[dtype.value].has_reference:
+        accepted = ", ".join(wire_formats.REFERENCE_COMBINE_ENV_NAMES)
+        raise ConfigError(f"combine dtype {dtype.value} has no reference wire format; use one of {accepted}")
 
 
 def combine_row_bytes(dtype: CombineDtype, hidden: int, block: int = FP8_BLOCK) -> int:

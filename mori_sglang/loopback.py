@@ -12,6 +12,7 @@ import torch
 
 from mori_sglang.config import EpConfig
 from mori_sglang.exchange import LoopbackHub
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import CombineHandle, DispatchOutput
 
@@ -26,6 +27,11 @@ class LoopbackWorld:
             EpDispatchCombineOp(config.with_rank(r), device=device, loopback=self.hub) for r in range(config.world_size)
         ]
         self.device = self.ops[0].device
+
+    def set_kernel_tuning(self, tuning: KernelTuning) -> None:
+        """Every rank's ``EpDispatchCombineOp.set_kernel_tuning``."""
+        for op in self.ops:
+            op.set_kernel_tuning(tuning)
 
     def dispatch(
         self,

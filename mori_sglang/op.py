@@ -25,6 +25,7 @@ from mori_sglang.checks import (
 from mori_sglang.config import ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.device_wait import wait_for_device
 from mori_sglang.exchange import LoopbackHub
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.providers import resolve_provider
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.registry import build_provider
@@ -75,6 +76,11 @@ class EpDispatchCombineOp:
 
     def scale_stride_bytes(self) -> int:
         return self.layout.scale_stride
+
+    def set_kernel_tuning(self, tuning: KernelTuning) -> None:
+        """Launch the provider's Triton kernels with ``tuning`` (tiles, warps, programs) from the next call
+        on: for benchmarks and tuning sweeps. A provider without kernels of ours raises ConfigError."""
+        self.provider.set_kernel_tuning(tuning)
 
     # -- checks ---------------------------------------------------------------------------------
 

@@ -70,6 +70,11 @@ class CombineFormat:
     fp8: str  # OP_FP8 or NO_FP8
 
     @property
+    def has_reference(self) -> bool:
+        """Whether this package defines the bytes (a torch reference in ``formats.py`` and kernels of ours)."""
+        return self.kernel_code is not None
+
+    @property
     def block_scaled(self) -> bool:
         return bool(self.default_block or self.default_scales_per_token)
 
@@ -110,3 +115,5 @@ DISPATCH_BY_NAME = {f.name: f for f in DISPATCH_FORMATS}
 COMBINE_BY_NAME = {f.name: f for f in COMBINE_FORMATS}
 DISPATCH_ENV_NAMES = tuple(f.name for f in DISPATCH_FORMATS)
 COMBINE_ENV_NAMES = tuple(f.env_name for f in COMBINE_FORMATS if f.env_name)
+# The SGLANG_MORI_COMBINE_DTYPE values whose bytes this package defines: every one but native MoRI's own.
+REFERENCE_COMBINE_ENV_NAMES = tuple(f.env_name for f in COMBINE_FORMATS if f.env_name and f.has_reference)

@@ -7,8 +7,10 @@ from decimal import Decimal
 
 from mori_sglang.config import COMBINE_ENV_VALUES
 from mori_sglang.formats import combine_row_bytes
+from mori_sglang.wire_formats import REFERENCE_COMBINE_ENV_NAMES
 
-AB_DTYPES = ("bf16", "fp8", "fp8_direct_cast")
+# The SGLANG_MORI_COMBINE_DTYPE values compared: those whose bytes (and so payload column) we define.
+AB_DTYPES = REFERENCE_COMBINE_ENV_NAMES
 
 
 def payload_bytes_per_token(combine_dtype: str, hidden: int) -> int:

@@ -15,13 +15,10 @@ import torch
 from eval.layer_accuracy.activations import ActivationSpec, channel_scales, expert_outputs
 from eval.layer_accuracy.metrics import flushed_fraction, median_element_error, relative_error, saturated_fraction
 from mori_sglang import CombineDtype, DispatchDtype, EpConfig, LoopbackWorld, Provider
+from mori_sglang.wire_formats import COMBINE_FORMATS
 
-MODES = (
-    CombineDtype.BF16,
-    CombineDtype.FP8_BLOCKWISE,
-    CombineDtype.FP8_BLOCKWISE_NATIVE,
-    CombineDtype.FP8_DIRECT_CAST,
-)
+# Every combine format whose bytes we define, in the table's order.
+MODES = tuple(CombineDtype(f.name) for f in COMBINE_FORMATS if f.has_reference)
 
 
 @dataclass(frozen=True)

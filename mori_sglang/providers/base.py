@@ -17,17 +17,16 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang import formats, wire_formats
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.exchange import LoopbackHub
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 ALL_DISPATCH = frozenset(DispatchDtype)
 ALL_MODES = frozenset(Mode)
-# The combine formats our own providers carry (native MoRI adds its fp4 combine).
-OUR_COMBINE_FORMATS = frozenset(
-    {CombineDtype.BF16, CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE, CombineDtype.FP8_DIRECT_CAST}
-)
+# The combine formats our own providers carry, those with a reference (native MoRI adds its fp4 combine).
+OUR_COMBINE_FORMATS = frozenset(CombineDtype(f.name) for f in wire_formats.COMBINE_FORMATS if f.has_reference)
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,14 @@ class EpProvider(ABC):
             raise RuntimeError(
                 f"the {self.display_name} provider carries pre-quantized tokens (it fuses no quantization)"
             )
+
+    def set_kernel_tuning(self, tuning: KernelTuning) -> None:
+        """Launch this provider's Triton kernels with ``tuning`` from the next call on (benchmarks, tuning
+        sweeps). Only a provider that runs our kernels has launch shapes to set; the others refuse."""
+        raise ConfigError(
+            f"the {self.display_name} provider runs no Triton kernels of ours, so it takes no kernel tuning; "
+            "use the triton provider (SGLANG_MORI_BACKEND=triton)"
+        )
 
     @abstractmethod
     def dispatch_send(

@@ -11,7 +11,6 @@ Python, and runs no torch operation at all for inputs in the documented layout.
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -24,6 +23,7 @@ import triton.language as tl
 from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.kernels import interpreter, transport
+from mori_sglang.kernels.geometry import MIN_TILE, KernelTuning, multiprocessors, program_count
 from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.providers.arena import Arena, ArenaLayout
 from mori_sglang.providers.base import (
@@ -48,86 +48,17 @@ from mori_sglang.wire_formats import QUANT_NONE
 TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 
 
-@dataclass(frozen=True)
-class KernelTuning:
-    """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
-    (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
-
-    # The routing inside the dispatch send (one launch per send), in tasks of this many tokens for one
-    # destination; otherwise two kernels before the send, in blocks of ``route_block`` tokens.
-    fused_routing: bool = True
-    fused_route_block: int = 64
-    route_block: int = 256  # tokens per routing program; larger batches get more programs
-    route_warps: int = 4
-    send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
-    send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
-    send_programs_per_sm: int = 48
-    copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
-    recv_warps: int = 4
-    combine_send_tile: int = 8192  # elements per work item of the combine send
-    combine_send_warps: int = 4
-    combine_recv_tile: int = 2048  # elements per work item of the combine receive, bf16 rows
-    combine_recv_warps: int = 4
-    combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
-    combine_recv_warps_fp8: int = 2
-    # Bytes of rows in flight per SM in the dispatch receive (a program moves one row at a time), close
-    # to an SM's share of the device's bandwidth-delay product: more programs add DRAM contention, and
-    # every program waits for the senders before it knows its rows (its grid covers the most rows a rank
-    # can receive, so idle programs cost decode batches in buffers sized for prefill).
-    dispatch_recv_bytes_per_sm: int = 32768
-    combine_send_programs_per_sm: int = 32  # idle programs exit at once; one row or tile per item
-    combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
-
-    def dispatch_recv_programs_per_sm(self, row_bytes: int) -> int:
-        """Programs per SM of the dispatch receive: the rows that fit in ``dispatch_recv_bytes_per_sm``,
-        rounded to a power of two (2^round(log2)), within DISPATCH_RECV_PROGRAMS_PER_SM (measured on
-        an H200: docs/performance.md)."""
-        fewest, most = DISPATCH_RECV_PROGRAMS_PER_SM
-        nearest = 1 << max(0, round(math.log2(self.dispatch_recv_bytes_per_sm / row_bytes)))
-        return min(most, max(fewest, nearest))
-
-    def __post_init__(self) -> None:
-        if self.fused_routing and self.send_warps != 1:
-            raise ValueError(
-                f"KernelTuning.send_warps={self.send_warps} with fused_routing: the routing's waits read each "
-                "poll as one value in a single warp; use send_warps=1 or fused_routing=False"
-            )
-        if self.dispatch_recv_bytes_per_sm <= 0:
-            raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
-        for name in TILE_FIELDS:
-            value = getattr(self, name)
-            if value < MIN_TILE or value & (value - 1):
-                raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {MIN_TILE}")
-
-
-TILE_FIELDS = (
-    "fused_route_block",
-    "route_block",
-    "send_tile",
-    "copy_block",
-    "combine_send_tile",
-    "combine_recv_tile",
-    "combine_recv_tile_fp8",
-)
-# The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
-MIN_TILE = 64
-# The fewest and the most programs per SM of the dispatch receive, whatever its rows' size.
-DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
-
-
 # The kernels that count their finished work (one word of ``_tickets`` each, in this order).
 TICKETS = ("dispatch_send", "combine_send")
 
 # Polls of an earlier routing task's count before the task counts those tokens itself (on a GPU; the
 # interpreter runs programs one after another, so there it never waits).
 COUNT_SPINS = 64
-# Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
-INTERPRETER_PROGRAMS = 2
 # The formats whose wire rows carry no scales: their kernels tile a row in blocks of this many elements,
 # whatever MORI_FP8_COMBINE_SCALE_DIM says.
 UNSCALED_COMBINE_BLOCK = 128
 
-__all__ = ["KernelTuning", "PeerTimeoutError", "TritonProvider"]
+__all__ = ["PeerTimeoutError", "TritonProvider"]
 
 
 def _words(nbytes: int) -> int:
@@ -249,14 +180,9 @@ class TritonProvider(EpProvider):
 
     # -- bound launches -----------------------------------------------------------------------
 
-    @property
-    def tuning(self) -> KernelTuning:
-        return self._tuning
-
-    @tuning.setter
-    def tuning(self, tuning: KernelTuning) -> None:
+    def set_kernel_tuning(self, tuning: KernelTuning) -> None:
         self._tuning = tuning
-        self._launches.clear()
+        self._launches.clear()  # the bound launches hold the old shapes
 
     def _cached(self, key: tuple, make: Callable[..., object], *args: object):
         """What ``make(*args)`` builds for ``key`` (a launch plan or a view), built on first use."""
@@ -279,15 +205,11 @@ class TritonProvider(EpProvider):
 
     # -- bookkeeping --------------------------------------------------------------------------
 
-    def _program_count(self, per_sm: int) -> int:
-        """Programs of a kernel: ``per_sm`` per multiprocessor (a fixed count in the interpreter)."""
-        return per_sm * self._sms if self._sms else INTERPRETER_PROGRAMS
-
     def _grid(self, per_sm: int, items: int) -> tuple[int]:
         """``per_sm`` programs per multiprocessor, but no more than work items where the host knows them
         (idle programs only cost time; the combine send's grid covers the most rows a rank can receive).
         At least one, which signals (a send) or waits (a receive) when there is nothing to move."""
-        return (max(1, min(self._program_count(per_sm), items)),)
+        return (max(1, min(program_count(per_sm, self._sms), items)),)
 
     def _ticket(self, kernel: str) -> torch.Tensor:
         index = TICKETS.index(kernel)
@@ -352,8 +274,8 @@ class TritonProvider(EpProvider):
         """The routing kernels (none when the send routes, one or two otherwise) and the send of a
         batch of ``num_tokens``."""
         cfg = self.config
-        fused = self.tuning.fused_routing
-        most = self.tuning.fused_route_block if fused else self.tuning.route_block
+        fused = self._tuning.fused_routing
+        most = self._tuning.fused_route_block if fused else self._tuning.route_block
         route_block = min(most, max(triton.next_power_of_2(num_tokens), MIN_TILE))
         blocks = max(1, triton.cdiv(num_tokens, route_block))
         experts = {"num_tokens": num_tokens, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_local_experts}
@@ -373,13 +295,13 @@ class TritonProvider(EpProvider):
             route_count, route = self._routing_launches(blocks, route_block, routes, layout)
         quant = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value].kernel_code if quantize else QUANT_NONE
         group = formats.DISPATCH_FP8_GROUP if cfg.dispatch_dtype is DispatchDtype.FP8 else formats.MX_GROUP
-        tile_groups = max(1, self.tuning.send_tile // group)
+        tile_groups = max(1, self._tuning.send_tile // group)
         if quantize:
             # MX scale rows end in zero pad bytes up to a dword: the tiles cover those "groups" too.
             scale_entries = layout.scale_bytes // (4 if cfg.dispatch_dtype is DispatchDtype.FP8 else 1)
             tiles = triton.cdiv(scale_entries, tile_groups)
         else:
-            tiles = triton.cdiv(_words(layout.token_bytes), self.tuning.copy_block)
+            tiles = triton.cdiv(_words(layout.token_bytes), self._tuning.copy_block)
         fixed = {
             **routes,
             "routed_ptr": self._routed,
@@ -393,14 +315,14 @@ class TritonProvider(EpProvider):
             fixed["scales_ptr"] = self._no_scales
         send = self._bind(
             transport.dispatch_send_kernel,
-            self._grid(self.tuning.send_programs_per_sm, max(num_tokens * tiles, blocks * cfg.world_size)),
+            self._grid(self._tuning.send_programs_per_sm, max(num_tokens * tiles, blocks * cfg.world_size)),
             fixed,
             {
                 **self._row_meta(layout),
                 "ROW_BYTES": layout.row_bytes,
                 "WP": triton.next_power_of_2(cfg.world_size),
                 "SCALE_WORDS": _words(layout.scale_bytes),
-                "BLOCK": self.tuning.copy_block,
+                "BLOCK": self._tuning.copy_block,
                 "PAD_BLOCK": triton.next_power_of_2(_words(layout.scale_stride)) if layout.scale_stride else 1,
                 "TILES": tiles,
                 "QUANT": quant,
@@ -415,7 +337,7 @@ class TritonProvider(EpProvider):
                 "NBP": triton.next_power_of_2(blocks),
                 "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
                 "enable_fp_fusion": False,
-                "num_warps": self.tuning.send_warps,
+                "num_warps": self._tuning.send_warps,
             },
             ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
@@ -431,7 +353,7 @@ class TritonProvider(EpProvider):
             "K": cfg.topk,
             "KP": triton.next_power_of_2(cfg.topk),
             "BLOCK_N": route_block,
-            "num_warps": max(1, min(self.tuning.route_warps, route_block // MIN_TILE)),
+            "num_warps": max(1, min(self._tuning.route_warps, route_block // MIN_TILE)),
         }
         experts = {name: routes[name] for name in ("num_tokens", "num_experts", "num_local_experts")}
         route_count = None
@@ -518,7 +440,7 @@ class TritonProvider(EpProvider):
 
     def _dispatch_recv_launch(self, layout: formats.DispatchRowLayout) -> BoundLaunch:
         cfg = self.config
-        programs_per_sm = self.tuning.dispatch_recv_programs_per_sm(layout.row_bytes)
+        programs_per_sm = self._tuning.dispatch_recv_programs_per_sm(layout.row_bytes)
         return self._bind(
             transport.dispatch_recv_kernel,
             self._grid(programs_per_sm, self.arena_layout.slots),
@@ -539,10 +461,10 @@ class TritonProvider(EpProvider):
                 **self._row_meta(layout),
                 "ROW_WORDS": _words(layout.row_bytes),
                 "WP": triton.next_power_of_2(cfg.world_size),
-                "BLOCK": self.tuning.copy_block,
+                "BLOCK": self._tuning.copy_block,
                 "SCALE_BLOCK": triton.next_power_of_2(max(1, _words(layout.scale_stride))),
                 "CLOCK": self._clock,
-                "num_warps": self.tuning.recv_warps,
+                "num_warps": self._tuning.recv_warps,
             },
         )
 
@@ -578,7 +500,7 @@ class TritonProvider(EpProvider):
 
     def _combine_send_launch(self) -> BoundLaunch:
         cfg = self.config
-        meta = self._combine_meta(self.tuning.combine_send_tile)
+        meta = self._combine_meta(self._tuning.combine_send_tile)
         num_blocks = formats.num_blocks(cfg.hidden, self._combine_block)
         # The native format's sign flag covers the whole row: one item per row.
         whole_row = cfg.combine_dtype is CombineDtype.FP8_BLOCKWISE_NATIVE
@@ -587,7 +509,7 @@ class TritonProvider(EpProvider):
         items = triton.cdiv(num_blocks, item_blocks)
         return self._bind(
             transport.combine_send_kernel,
-            self._grid(self.tuning.combine_send_programs_per_sm, self.arena_layout.slots * items),
+            self._grid(self._tuning.combine_send_programs_per_sm, self.arena_layout.slots * items),
             {
                 "peer_bases": self.arena.peer_bases,
                 "recv_counts_ptr": self.recv_counts,
@@ -609,7 +531,7 @@ class TritonProvider(EpProvider):
                 "W": cfg.world_size,
                 "WP": triton.next_power_of_2(cfg.world_size),
                 "enable_fp_fusion": False,
-                "num_warps": self.tuning.combine_send_warps,
+                "num_warps": self._tuning.combine_send_warps,
             },
             ("y_ptr", "y_rows"),
         )
@@ -627,7 +549,7 @@ class TritonProvider(EpProvider):
     def _combine_recv_launch(self, num_tokens: int) -> tuple[BoundLaunch, torch.Tensor]:
         """The combine receive of a batch of ``num_tokens`` and the view of the output it writes."""
         cfg = self.config
-        tuning = self.tuning
+        tuning = self._tuning
         if cfg.combine_dtype is CombineDtype.BF16:
             tile, warps = tuning.combine_recv_tile, tuning.combine_recv_warps
         else:
@@ -691,10 +613,3 @@ def cuda_driver_version() -> tuple[int, int]:
     except OSError:
         return (0, 0)
     return divmod(version.value // 10, 100)
-
-
-def multiprocessors(device: torch.device) -> int | None:
-    """SMs (CUs) the programs spread over; None in the CPU interpreter."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return None

@@ -19,8 +19,8 @@ import triton
 import triton.testing
 
 from mori_sglang import cli
+from mori_sglang.kernels.geometry import multiprocessors, program_count
 from mori_sglang.kernels.probes import fan_out_kernel
-from mori_sglang.providers.triton_provider import INTERPRETER_PROGRAMS, multiprocessors
 from mori_sglang.tools.measure import copy_bandwidth, roofline_bytes, time_phases
 
 # (warps, programs per SM): the dispatch send's shape and two wider ones.
@@ -63,8 +63,7 @@ def measure(device: torch.device, tokens: int, hidden: int, fan_outs: list[int],
     for d in fan_outs:
         out = torch.empty(d, tokens, hidden, dtype=torch.uint8, device=device)
         for warps, per_sm in FAN_OUT_SHAPES if sms else FAN_OUT_SHAPES[:1]:
-            programs = per_sm * sms if sms else INTERPRETER_PROGRAMS
-            launch = functools.partial(fan_out, x, out, warps, programs)
+            launch = functools.partial(fan_out, x, out, warps, program_count(per_sm, sms))
             launch()  # compile outside the timing
             seconds = _seconds(launch, device, iters)
             name = f"fan-out to {d} ({warps} warps, {per_sm} programs/SM)"

@@ -21,12 +21,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from mori_sglang import cli, formats
 from mori_sglang.config import EpConfig, Provider
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.routing import owning_destinations
 from mori_sglang.tools.measure import (
@@ -38,9 +38,6 @@ from mori_sglang.tools.measure import (
     time_phases,
 )
 from mori_sglang.tools.workload import add_workload_args, report_progress, speedup_cells, workload_configs
-
-if TYPE_CHECKING:
-    from mori_sglang.providers.triton_provider import KernelTuning
 
 
 @dataclass
@@ -108,8 +105,7 @@ def bench_one(
     time the phases launched from Python (``Row.eager``)."""
     world = LoopbackWorld(cfg, device)
     if tuning is not None:
-        for op in world.ops:
-            op.provider.tuning = tuning
+        world.set_kernel_tuning(tuning)
     xs, weights, ids = make_inputs(cfg, tokens, device, seed=1)
     ops = world.ops
     outs: list = [None] * cfg.world_size

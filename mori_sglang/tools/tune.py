@@ -17,7 +17,7 @@ import time
 
 from mori_sglang import cli
 from mori_sglang.config import Provider
-from mori_sglang.providers.triton_provider import KernelTuning
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.tools.bench import Row, bench_one
 from mori_sglang.tools.measure import PHASES, copy_bandwidth
 from mori_sglang.tools.workload import add_workload_args, report_progress, workload_configs

@@ -332,6 +332,17 @@ def test_env_cli_prints_the_table() -> None:
     assert out.strip() == env.markdown_table()
 
 
+def test_env_cli_prints_the_choices_of_the_variables_asked_for() -> None:
+    """One line per variable, for the launch scripts; a variable without a fixed set of values is refused."""
+    names = ["SGLANG_MORI_BACKEND", "SGLANG_MORI_COMBINE_DTYPE"]
+    command = [sys.executable, "-m", "mori_sglang.env", "--choices"]
+    out = subprocess.run([*command, *names], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert [tuple(line.split()) for line in out.splitlines()] == [env.ENV_BY_NAME[n].choices for n in names]
+    proc = subprocess.run([*command, "SGLANG_MORI_EP_V2"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "error: --choices SGLANG_MORI_EP_V2: not a variable with a fixed set of values (" in proc.stderr
+
+
 def test_env_cli_prints_checked_values_without_warnings() -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_MORI_", "MORI_", "TRTLLM_"))}
     command = [sys.executable, "-m", "mori_sglang.env"]

@@ -149,7 +149,8 @@ def test_hidden_not_a_block_multiple_ends_in_a_partial_block() -> None:
 
 
 def test_fp4_combine_has_no_reference_format() -> None:
-    with pytest.raises(ConfigError, match="fp4_blockwise"):
+    """Refused, naming the settable formats that have one (the table's rows with a kernel code)."""
+    with pytest.raises(ConfigError, match=r"fp4_blockwise has no reference .*; use one of bf16, fp8, fp8_direct_cast$"):
         formats.combine_row_bytes(CombineDtype.FP4_BLOCKWISE, 7168)
 
 

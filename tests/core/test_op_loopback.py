@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from mori_sglang import LoopbackWorld
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.exchange import ExchangeError, LoopbackHub
 from mori_sglang.formats import FormatError
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.op import EpDispatchCombineOp, InputError
 from mori_sglang.types import DispatchOutput
 from tests.helpers import (
@@ -356,6 +357,14 @@ def test_bad_op_config(overrides: dict[str, object], error: type[Exception], mat
     cfg = replace(small().config(), **overrides)
     with pytest.raises(error, match=match):
         LoopbackWorld(cfg)
+
+
+def test_kernel_tuning_is_refused_where_no_kernels_of_ours_run() -> None:
+    world = LoopbackWorld(replace(small().config(), provider=Provider.TORCH))
+    with pytest.raises(
+        ConfigError, match=r"the torch provider runs no Triton kernels of ours.*SGLANG_MORI_BACKEND=triton"
+    ):
+        world.set_kernel_tuning(KernelTuning(send_tile=2048))
 
 
 def test_loopback_hub_size_must_match() -> None:

@@ -414,14 +414,66 @@ def test_server_args_that_agree_with_the_recipe_pass(script: str, model: Path, t
     assert parse_dry_run(result.stdout)[1][-len(extra) :] == extra
 
 
-def test_the_scripts_accept_the_values_of_the_variables_they_set() -> None:
-    """One vocabulary: each option's choices are the accepted values of the variable it exports."""
-    text = (LAUNCH / "common.sh").read_text()
-    for array, variable in (
-        ("COMBINE_CHOICES", "SGLANG_MORI_COMBINE_DTYPE"),
-        ("DISPATCH_CHOICES", "SGLANG_MORI_DISPATCH_DTYPE"),
-        ("PROVIDER_CHOICES", "SGLANG_MORI_BACKEND"),
-    ):
-        match = re.search(rf"^{array}=\(([^)]*)\)$", text, re.MULTILINE)
-        assert match, f"launch/common.sh defines no {array}"
-        assert tuple(match.group(1).split()) == env.ENV_BY_NAME[variable].choices, array
+# Each option's choices are the values of the variable it exports, as mori_sglang/env.py lists them.
+OPTION_VARIABLES = {
+    "--combine-dtype": "SGLANG_MORI_COMBINE_DTYPE",
+    "--dispatch-dtype": "SGLANG_MORI_DISPATCH_DTYPE",
+    "--provider": "SGLANG_MORI_BACKEND",
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_options_accept_the_values_of_the_variables_they_set(script: str) -> None:
+    """One vocabulary: the help lists, for each option, the accepted values of the variable it exports."""
+    usage = run(script, "--help").stdout.splitlines()
+    for option, variable in OPTION_VARIABLES.items():
+        (line,) = (line for line in usage if line.lstrip().startswith(option + " "))
+        listed = re.split("[:(]", line.split(maxsplit=2)[2])[0]  # the values, before ': VARIABLE (default: ..)'
+        assert tuple(listed.split()) == env.ENV_BY_NAME[variable].choices, (option, line)
+
+
+def test_the_choices_are_read_from_the_table_of_the_scripts_checkout(model: Path, tmp_path: Path) -> None:
+    """A checkout whose table has one dispatch format and one provider more (and no torch, no installed
+    mori_sglang: the system python3) accepts them, and its help lists them; this checkout refuses them."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(LAUNCH, checkout / "launch")
+    package = checkout / "mori_sglang"
+    package.mkdir()
+    source = LAUNCH.parent / "mori_sglang"
+    for name in ("__init__.py", "env.py", "wire_formats.py"):
+        shutil.copy(source / name, package / name)
+    table = (package / "wire_formats.py").read_text()
+    rows = "DISPATCH_FORMATS: tuple[DispatchFormat, ...] = (\n"
+    assert rows in table
+    (package / "wire_formats.py").write_text(
+        table.replace(rows, rows + '    DispatchFormat("nvfp4", 4, 16, 1, 2, 9, NO_FP8),\n')
+    )
+    providers = '("auto", "mori", "triton", "torch")'
+    variables = (package / "env.py").read_text()
+    assert providers in variables
+    (package / "env.py").write_text(variables.replace(providers, providers[:-1] + ', "nccl")'))
+    args = ("--model", str(model), "--dispatch-dtype", "nvfp4", "--provider", "nccl", "--dry-run")
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    done = subprocess.run(
+        ["bash", str(checkout / "launch" / "sglang_h200_moe.sh"), *args],
+        env={"PATH": f"{bin_dir}:{SYSTEM_PATH}"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    exports = parse_dry_run(done.stdout)[0]
+    assert (exports["SGLANG_MORI_DISPATCH_DTYPE"], exports["SGLANG_MORI_BACKEND"]) == ("nvfp4", "nccl")
+    result = run("sglang_h200_moe.sh", *args, bin_dir=bin_dir)
+    assert result.returncode == 2
+    assert "--dispatch-dtype 'nvfp4' is not accepted; use one of: auto bf16 fp8 mxfp8 fp4" in result.stderr
+
+
+def test_the_scripts_need_python3_to_read_the_choices(model: Path, tmp_path: Path) -> None:
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    (bin_dir / "python3").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "python3").chmod(0o755)
+    result = run("vllm_h200_moe.sh", "--model", str(model), "--dry-run", bin_dir=bin_dir)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "error: python3 on PATH cannot read the accepted values from " in result.stderr
+    assert result.stderr.rstrip().endswith("/mori_sglang/env.py")

@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ import triton.language as tl
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.kernels import transport
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
 
@@ -106,10 +106,8 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 def _step(cfg: EpConfig, tokens: list[int], fused_routing: bool) -> None:
     world = LoopbackWorld(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    for op in world.ops:  # blocks of 64 tokens, so that a 65-token batch spans two routing blocks
-        op.provider.tuning = replace(
-            op.provider.tuning, fused_routing=fused_routing, route_block=64, fused_route_block=64
-        )
+    # Blocks of 64 tokens, so that a 65-token batch spans two routing blocks.
+    world.set_kernel_tuning(KernelTuning(fused_routing=fused_routing, route_block=64, fused_route_block=64))
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(world.device) for n in tokens]
     ids = [torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.to(world.device) for n in tokens]

@@ -13,7 +13,6 @@ import random
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.kernels import transport
+from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 
 pytestmark = pytest.mark.skipif(
@@ -149,10 +149,9 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
 ) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(mode))
-    for op in world.ops:
-        op.provider.tuning = replace(
-            op.provider.tuning, fused_routing=fused_routing, route_block=ROUTE_BLOCK, fused_route_block=ROUTE_BLOCK
-        )
+    world.set_kernel_tuning(
+        KernelTuning(fused_routing=fused_routing, route_block=ROUTE_BLOCK, fused_route_block=ROUTE_BLOCK)
+    )
     reference = LoopbackWorld(_config(mode, Provider.TORCH))
     for n in BATCHES:  # the first step of a batch size binds its launches and views
         _step(world, [_inputs(n, gen, ids_dtype) for _ in range(WORLD)], _expert_outputs(gen))
@@ -166,5 +165,25 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
         assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
         assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
         # The bound launches read this step's tensors: the same results as the torch provider.
+        for got, want in zip(combined, _step(reference, batches, ys), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
+    """Launches bound under the default tuning (the routing inside the send: one launch) give way to a
+    tuning set after them (separate routing in blocks of 64 tokens: two passes over 70 tokens, then the
+    send), with the same results as the torch provider."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    world = LoopbackWorld(_config(Mode.LOW_LATENCY))
+    reference = LoopbackWorld(_config(Mode.LOW_LATENCY, Provider.TORCH))
+    n = BATCHES[1]
+    for send_launches, tuning in ((1, None), (3, KernelTuning(fused_routing=False, route_block=ROUTE_BLOCK))):
+        if tuning is not None:
+            world.set_kernel_tuning(tuning)
+        batches = [_inputs(n, gen, torch.int32) for _ in range(WORLD)]
+        ys = _expert_outputs(gen)
+        record = CallRecorder(kernel_runs)
+        combined = _step(world, batches, ys, record)
+        assert [record.launches[("dispatch_send", r)] for r in range(WORLD)] == [send_launches] * WORLD
         for got, want in zip(combined, _step(reference, batches, ys), strict=True):
             assert torch.equal(got, want)

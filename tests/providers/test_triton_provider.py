@@ -15,6 +15,7 @@ import torch
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.kernels import interpreter
+from mori_sglang.kernels.geometry import DISPATCH_RECV_PROGRAMS_PER_SM, KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
 from mori_sglang.providers.triton_provider import PeerTimeoutError
@@ -165,8 +166,7 @@ def test_tokens_of_several_tiles_are_bit_identical_too(
                        mode=Mode.LOW_LATENCY, provider=provider)  # fmt: skip
         world = LoopbackWorld(cfg, DEVICE)
         if provider == "triton":
-            for op in world.ops:
-                op.provider.tuning = replace(op.provider.tuning, send_tile=send_tile, copy_block=copy_block)
+            world.set_kernel_tuning(KernelTuning(send_tile=send_tile, copy_block=copy_block))
         runs.append(_step(world, *_inputs(cfg, counts, seed)))
     _assert_same(runs[0], runs[1], world.ops[0].scale_bytes)
 
@@ -174,7 +174,7 @@ def test_tokens_of_several_tiles_are_bit_identical_too(
 def test_the_dispatch_receive_keeps_about_32_kib_of_rows_in_flight_per_sm() -> None:
     """Its programs per SM follow the row size (the values measured best on an H200), as powers of two
     within DISPATCH_RECV_PROGRAMS_PER_SM."""
-    tuning = triton_provider.KernelTuning()
+    tuning = KernelTuning()
 
     def programs(token_bytes: int, scale_bytes: int, **changes: int) -> int:
         row_bytes = formats.DispatchRowLayout(token_bytes, scale_bytes, 8).row_bytes
@@ -184,7 +184,7 @@ def test_the_dispatch_receive_keeps_about_32_kib_of_rows_in_flight_per_sm() -> N
     assert programs(4096, 128) == 8  # fp8 at hidden 4096: 4288 B rows
     assert programs(2048, 64) == 16
     assert programs(7168, 224, dispatch_recv_bytes_per_sm=65536) == 8
-    fewest, most = triton_provider.DISPATCH_RECV_PROGRAMS_PER_SM
+    fewest, most = DISPATCH_RECV_PROGRAMS_PER_SM
     assert programs(14336, 0) == fewest  # bf16 rows at hidden 7168: two would fit
     assert programs(64, 0) == most
 
@@ -240,8 +240,7 @@ def test_routing_over_several_blocks_numbers_tokens_across_blocks(rng: random.Ra
     for provider in ("torch", "triton"):
         cfg = replace(_config(world=2, provider=provider), max_tokens_per_rank=max_tokens)
         worlds[provider] = LoopbackWorld(cfg, DEVICE)
-    for op in worlds["triton"].ops:
-        op.provider.tuning = replace(op.provider.tuning, route_block=64)
+    worlds["triton"].set_kernel_tuning(KernelTuning(route_block=64))
     for counts in ([max_tokens, 130], [65, 0], [rng.randint(1, max_tokens), 64]):
         inputs = _inputs(worlds["torch"].ops[0].config, counts, rng.randrange(1 << 30))
         _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)

@@ -1,0 +1,95 @@
+"""How the Triton kernels are launched: tiles, warps and programs per kernel, and how many programs a
+device runs.
+
+``KernelTuning`` is the one set of launch shapes the Triton provider reads; benchmarks and tuning sweeps
+hand it one through ``EpDispatchCombineOp.set_kernel_tuning``. It needs neither Triton nor a GPU, so the
+op and the commands can name it wherever the provider cannot be built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
+    (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
+
+    # The routing inside the dispatch send (one launch per send), in tasks of this many tokens for one
+    # destination; otherwise two kernels before the send, in blocks of ``route_block`` tokens.
+    fused_routing: bool = True
+    fused_route_block: int = 64
+    route_block: int = 256  # tokens per routing program; larger batches get more programs
+    route_warps: int = 4
+    send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
+    send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
+    send_programs_per_sm: int = 48
+    copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
+    recv_warps: int = 4
+    combine_send_tile: int = 8192  # elements per work item of the combine send
+    combine_send_warps: int = 4
+    combine_recv_tile: int = 2048  # elements per work item of the combine receive, bf16 rows
+    combine_recv_warps: int = 4
+    combine_recv_tile_fp8: int = 1024  # the same for fp8 rows: dequantizing needs more programs in flight
+    combine_recv_warps_fp8: int = 2
+    # Bytes of rows in flight per SM in the dispatch receive (a program moves one row at a time), close
+    # to an SM's share of the device's bandwidth-delay product: more programs add DRAM contention, and
+    # every program waits for the senders before it knows its rows (its grid covers the most rows a rank
+    # can receive, so idle programs cost decode batches in buffers sized for prefill).
+    dispatch_recv_bytes_per_sm: int = 32768
+    combine_send_programs_per_sm: int = 32  # idle programs exit at once; one row or tile per item
+    combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
+
+    def dispatch_recv_programs_per_sm(self, row_bytes: int) -> int:
+        """Programs per SM of the dispatch receive: the rows that fit in ``dispatch_recv_bytes_per_sm``,
+        rounded to a power of two (2^round(log2)), within DISPATCH_RECV_PROGRAMS_PER_SM (measured on
+        an H200: docs/performance.md)."""
+        fewest, most = DISPATCH_RECV_PROGRAMS_PER_SM
+        nearest = 1 << max(0, round(math.log2(self.dispatch_recv_bytes_per_sm / row_bytes)))
+        return min(most, max(fewest, nearest))
+
+    def __post_init__(self) -> None:
+        if self.fused_routing and self.send_warps != 1:
+            raise ValueError(
+                f"KernelTuning.send_warps={self.send_warps} with fused_routing: the routing's waits read each "
+                "poll as one value in a single warp; use send_warps=1 or fused_routing=False"
+            )
+        if self.dispatch_recv_bytes_per_sm <= 0:
+            raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
+        for name in TILE_FIELDS:
+            value = getattr(self, name)
+            if value < MIN_TILE or value & (value - 1):
+                raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {MIN_TILE}")
+
+
+TILE_FIELDS = (
+    "fused_route_block",
+    "route_block",
+    "send_tile",
+    "copy_block",
+    "combine_send_tile",
+    "combine_recv_tile",
+    "combine_recv_tile_fp8",
+)
+# The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
+MIN_TILE = 64
+# The fewest and the most programs per SM of the dispatch receive, whatever its rows' size.
+DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
+# Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.
+INTERPRETER_PROGRAMS = 2
+
+
+def multiprocessors(device: torch.device) -> int | None:
+    """SMs (CUs) the programs spread over; None in the CPU interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return None
+
+
+def program_count(per_sm: int, sms: int | None) -> int:
+    """Programs of a kernel: ``per_sm`` per multiprocessor (``multiprocessors``), a fixed count in the interpreter."""
+    return per_sm * sms if sms else INTERPRETER_PROGRAMS
