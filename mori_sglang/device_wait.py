@@ -2,9 +2,9 @@
 
 Native MoRI's kernels spin on a peer's signal without a bound of their own (MoRI 1.2.4 has no timeout
 knob, docs/api.md), and an all_to_all replayed in a CUDA graph is watched by nothing on the host. Where
-the host waits for the device anyway (``EpDispatchCombineOp.synchronize``) it polls an event with a
-deadline instead of blocking, so a stalled peer ends in PeerTimeoutError, not a hang. The kernel keeps
-spinning: the device is lost to that process.
+the op's API waits for the device anyway (``EpDispatchCombineOp.synchronize``,
+``DispatchOutput.num_recv_host``) it polls an event with a deadline instead of blocking, so a stalled
+peer ends in PeerTimeoutError, not a hang. The kernel keeps spinning: the device is lost to that process.
 """
 
 from __future__ import annotations

@@ -128,6 +128,7 @@ class EpDispatchCombineOp:
         """Finish the dispatch started by ``dispatch_send``."""
         out = self.provider.dispatch_recv(self.layout, self.payload_dtype)
         out.handle.issuer, out.handle.dispatch_number = self.ident, self._dispatches
+        out.wait_for_device = self._wait_for_device
         return out
 
     def dispatch(
@@ -167,11 +168,16 @@ class EpDispatchCombineOp:
         """Per original token, the f32 sum over its destination ranks, as bf16 ``[num_tokens, hidden]``."""
         return self.provider.combine_recv()
 
-    def synchronize(self) -> None:
-        """Wait for this rank's device work, at most SGLANG_MORI_PEER_TIMEOUT_S (the bound native MoRI's
-        kernels lack); raise if a receive gave up on a stalled peer."""
+    def _wait_for_device(self) -> None:
+        """The host's wait for this rank's device work, at most SGLANG_MORI_PEER_TIMEOUT_S (the bound
+        native MoRI's kernels lack)."""
         if self.device.type == "cuda":
             wait_for_device(self.device, self.config.peer_timeout_s, self.config.rank)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's device work (bounded, see ``_wait_for_device``); raise if a receive gave
+        up on a stalled peer."""
+        self._wait_for_device()
         self.provider.check_status()
 
     def combine(self, y: torch.Tensor, handle: CombineHandle) -> torch.Tensor:

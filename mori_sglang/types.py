@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,8 +41,8 @@ def device_wait_timeout_error(rank: int, timeout_s: float) -> PeerTimeoutError:
     """The error of a host wait for the device that gave up: a kernel that waits without a bound of its
     own (native MoRI; an all_to_all in a CUDA graph) still waits for a peer, and cannot say which."""
     return PeerTimeoutError(
-        f"rank {rank} waited {timeout_s:g} s ({PEER_TIMEOUT_VAR}) in synchronize() for its device work, which did "
-        "not finish: a receive still waits for a peer that never sent (native MoRI's kernels and an all_to_all "
+        f"rank {rank} waited {timeout_s:g} s ({PEER_TIMEOUT_VAR}) for its device work, which did not finish: "
+        "a receive still waits for a peer that never sent (native MoRI's kernels and an all_to_all "
         "in a CUDA graph wait without a bound of their own and cannot tell which peer); the kernel keeps the "
         "device busy, so end this process"
     )
@@ -97,6 +98,9 @@ class DispatchOutput:
     scale_stride: int
     num_recv: torch.Tensor
     handle: CombineHandle
+    # The op's host wait for the device, bounded by SGLANG_MORI_PEER_TIMEOUT_S (EpDispatchCombineOp
+    # sets it); num_recv_host waits with it.
+    wait_for_device: Callable[[], None] = field(default=lambda: None, kw_only=True, repr=False)
 
     def recv_scales(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
         """The scale rows viewed as ``dtype`` (e.g. f32 for fp8 dispatch), keeping the padded stride."""
@@ -108,5 +112,7 @@ class DispatchOutput:
         return base.view(dtype)[:, : width // size]
 
     def num_recv_host(self) -> int:
-        """Received row count as a Python int (synchronises with the device)."""
+        """Received row count as a Python int (synchronises with the device, at most
+        SGLANG_MORI_PEER_TIMEOUT_S: a receive waiting on a stalled peer raises PeerTimeoutError)."""
+        self.wait_for_device()
         return int(self.num_recv.item())

@@ -541,10 +541,11 @@ class _Completion:
 
 
 def test_the_host_wait_for_the_device_gives_up_in_time() -> None:
-    """synchronize()'s wait (the only bound a native MoRI kernel waiting on a stalled peer has) raises
-    PeerTimeoutError naming the rank and the variable after the timeout, and returns once the work is done."""
+    """The host's wait for the device (the only bound a native MoRI kernel waiting on a stalled peer
+    has) raises PeerTimeoutError naming the rank and the variable after the timeout, and returns once
+    the work is done."""
     start = time.monotonic()
-    pattern = r"rank 3 waited 0.3 s \(SGLANG_MORI_PEER_TIMEOUT_S\) in synchronize\(\) for its device work"
+    pattern = r"rank 3 waited 0.3 s \(SGLANG_MORI_PEER_TIMEOUT_S\) for its device work, which did not finish"
     with pytest.raises(PeerTimeoutError, match=pattern):
         wait_for(_Completion(None), 0.3, 3)
     assert 0.3 <= time.monotonic() - start < 2.0
@@ -553,14 +554,28 @@ def test_the_host_wait_for_the_device_gives_up_in_time() -> None:
     assert done.queries == 6
 
 
+def test_num_recv_host_waits_with_the_ops_bounded_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = EpConfig(1, 0, 128, 2, 1, max_tokens_per_rank=2, provider="torch")
+    op = LoopbackWorld(cfg, DEVICE).ops[0]
+    waits = []
+    monkeypatch.setattr(op, "_wait_for_device", lambda: waits.append(1))
+    x = torch.randn(2, 128, device=DEVICE).to(torch.bfloat16)
+    out = op.dispatch(x, torch.ones(2, 1, device=DEVICE), None, torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
+    assert waits == []
+    assert out.num_recv_host() == 2 and waits == [1]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: a kernel that outlasts the timeout")
-def test_synchronize_gives_up_on_device_work_past_the_timeout() -> None:
+@pytest.mark.parametrize("wait", ["synchronize", "num_recv_host"])
+def test_host_waits_give_up_on_device_work_past_the_timeout(wait: str) -> None:
     cfg = EpConfig(1, 0, 128, 2, 1, max_tokens_per_rank=2, provider="torch", peer_timeout_s=0.2)
     op = LoopbackWorld(cfg, DEVICE).ops[0]
+    x = torch.randn(2, 128, device=DEVICE).to(torch.bfloat16)
+    out = op.dispatch(x, torch.ones(2, 1, device=DEVICE), None, torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
     torch.cuda._sleep(int(10e9))  # seconds of spinning, as a kernel waiting on a stalled peer does
     try:
         with pytest.raises(PeerTimeoutError, match=r"rank 0 waited 0.2 s \(SGLANG_MORI_PEER_TIMEOUT_S\)"):
-            op.synchronize()
+            op.synchronize() if wait == "synchronize" else out.num_recv_host()
     finally:
         torch.cuda.synchronize()
 
