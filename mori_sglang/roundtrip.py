@@ -36,17 +36,18 @@ from mori_sglang.kernels.interpreter import interpret_on_cpu
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_available
 from mori_sglang.tools.measure import identity_expert, sync
+from mori_sglang.wire_formats import COMBINE_FORMATS, DISPATCH_FORMATS
 
 # (dispatch, combine): the bf16 baseline, each dispatch format with bf16 combine, each combine format
-# with bf16 dispatch, so every row isolates one format's cost.
+# with a reference with bf16 dispatch (in the table's order), so every row isolates one format's cost.
 FORMATS: tuple[tuple[DispatchDtype, CombineDtype], ...] = (
     (DispatchDtype.BF16, CombineDtype.BF16),
-    (DispatchDtype.FP8, CombineDtype.BF16),
-    (DispatchDtype.MXFP8, CombineDtype.BF16),
-    (DispatchDtype.MXFP4, CombineDtype.BF16),
-    (DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE),
-    (DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE_NATIVE),
-    (DispatchDtype.BF16, CombineDtype.FP8_DIRECT_CAST),
+    *((DispatchDtype(f.name), CombineDtype.BF16) for f in DISPATCH_FORMATS if f.name != DispatchDtype.BF16.value),
+    *(
+        (DispatchDtype.BF16, CombineDtype(f.name))
+        for f in COMBINE_FORMATS
+        if f.has_reference and f.name != CombineDtype.BF16.value
+    ),
 )
 COLUMNS = (
     "dispatch",

@@ -472,7 +472,7 @@ class TritonProvider(EpProvider):
     @property
     def _combine_block(self) -> int:
         """Elements per block: the scale block of blockwise formats, a fixed tile for the others."""
-        if self.config.combine_dtype in (CombineDtype.BF16, CombineDtype.FP8_DIRECT_CAST):
+        if not wire_formats.COMBINE_BY_NAME[self.config.combine_dtype.value].block_scaled:
             return UNSCALED_COMBINE_BLOCK
         return self.config.combine_block
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from mori_sglang import formats
+from mori_sglang import formats, wire_formats
 from mori_sglang.config import DispatchDtype
 from mori_sglang.types import DispatchOutput
 
@@ -148,10 +148,9 @@ def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, r
     """
     tokens = out.tokens if rows is None else out.tokens[:rows]
     scales = None
-    if dispatch is DispatchDtype.FP8:
-        scales = out.recv_scales(torch.float32)
-    elif dispatch is not DispatchDtype.BF16:
-        scales = out.recv_scales(torch.uint8)
+    scale_bytes = wire_formats.DISPATCH_BY_NAME[dispatch.value].scale_bytes
+    if scale_bytes:  # f32 block scales, or e8m0 bytes, as the reference reads them
+        scales = out.recv_scales(torch.float32 if scale_bytes == 4 else torch.uint8)
     if scales is not None and rows is not None:
         scales = scales[:rows]
     return formats.dequantize_dispatch(tokens, scales, dispatch, hidden).to(torch.bfloat16)
