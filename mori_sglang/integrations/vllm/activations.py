@@ -17,7 +17,7 @@ from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 
 from mori_sglang import formats
 from mori_sglang.config import DispatchDtype
-from mori_sglang.integrations.vllm.all2all import FP8_GROUP
+from mori_sglang.wire_formats import FP8_BLOCK
 
 
 def expert_format(
@@ -36,7 +36,7 @@ def expert_format(
     if (
         quant_config.quant_dtype == fp8_dtype
         and block is not None
-        and block[1] == FP8_GROUP
+        and block[1] == FP8_BLOCK
         and not quant_config.is_scale_transposed
     ):
         return DispatchDtype.FP8

@@ -19,11 +19,11 @@ from vllm.distributed.parallel_state import get_ep_group
 from mori_sglang.config import EpConfig
 from mori_sglang.integrations import current_device
 from mori_sglang.op import EpDispatchCombineOp
+from mori_sglang.wire_formats import FP8_BLOCK
 
 HIGH_THROUGHPUT = "mori_high_throughput"
 LOW_LATENCY = "mori_low_latency"
 BACKENDS = (HIGH_THROUGHPUT, LOW_LATENCY)
-FP8_GROUP = 128  # elements per scale of block-quantized fp8 activations: our fp8 wire format
 
 
 def wire_weight_dtype(quant_dtype: torch.dtype | str, scale_dim: int, hidden: int) -> torch.dtype | None:
@@ -36,7 +36,7 @@ def wire_weight_dtype(quant_dtype: torch.dtype | str, scale_dim: int, hidden: in
     """
     if quant_dtype == torch.float4_e2m1fn_x2:
         return quant_dtype
-    if quant_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and scale_dim * FP8_GROUP == hidden:
+    if quant_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and scale_dim * FP8_BLOCK == hidden:
         return quant_dtype
     return None
 
