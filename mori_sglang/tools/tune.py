@@ -25,7 +25,8 @@ from mori_sglang.tools.workload import add_workload_args, report_progress, workl
 
 def parse_variants(specs: list[str]) -> list[tuple[str, dict[str, int]]]:
     """``field=v1,v2`` -> one variant per value; ``f=1+g=2`` -> one variant changing both. A spec that
-    names no KernelTuning field or gives no integer raises ValueError naming it."""
+    names no KernelTuning field, gives no integer or makes a tuning KernelTuning refuses raises
+    ValueError naming it, before anything runs."""
     fields = {f.name for f in dataclasses.fields(KernelTuning)}
     variants = []
     for spec in specs:
@@ -38,11 +39,17 @@ def parse_variants(specs: list[str]) -> list[tuple[str, dict[str, int]]]:
         try:
             if len(parts) == 1:
                 name, values = parts[0]
-                variants += [(f"{name}={value}", {name: int(value)}) for value in values.split(",")]
+                made = [(f"{name}={value}", {name: int(value)}) for value in values.split(",")]
             else:
-                variants.append((spec, {name: int(value) for name, value in parts}))
+                made = [(spec, {name: int(value) for name, value in parts})]
         except ValueError:
             raise ValueError(f"--vary {spec}: the values must be integers") from None
+        for name, changes in made:
+            try:
+                dataclasses.replace(KernelTuning(), **changes)
+            except ValueError as e:
+                raise ValueError(f"--vary {name}: {e}") from None
+        variants += made
     return variants
 
 

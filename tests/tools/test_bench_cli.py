@@ -97,11 +97,11 @@ def test_tuning_sweep_times_each_variant_beside_the_defaults(tmp_path: Path) -> 
     out = tmp_path / "tune.json"
     text = _run(
         [sys.executable, "-m", "mori_sglang.tools.tune", "--world", "2", "--tokens", "4", "--mode", "low_latency",
-         "--vary", "send_warps=2,4", "route_block=64+combine_recv_tile=512", "--json", str(out), *SMALL],
+         "--vary", "send_tile=512,2048", "route_block=64+combine_recv_tile=512", "--json", str(out), *SMALL],
         tmp_path,
     ).stdout  # fmt: skip
     rows = _table_rows(text)
-    variants = ["defaults", "send_warps=2", "send_warps=4", "route_block=64+combine_recv_tile=512"]
+    variants = ["defaults", "send_tile=512", "send_tile=2048", "route_block=64+combine_recv_tile=512"]
     assert [r[0] for r in rows] == [v for v in variants for _ in ("bf16", "fp8")]
     assert all(float(cell.split(" ")[0]) > 0 for r in rows for cell in r[4:8])
     data = json.loads(out.read_text())
