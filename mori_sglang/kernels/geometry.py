@@ -22,12 +22,16 @@ class KernelTuning:
     # The routing inside the dispatch send (one launch per send), in tasks of this many tokens for one
     # destination; otherwise two kernels before the send, in blocks of ``route_block`` tokens.
     fused_routing: bool = True
-    fused_route_block: int = 64
+    fused_route_block: int = 16
     route_block: int = 256  # tokens per routing program; larger batches get more programs
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
     send_programs_per_sm: int = 48
+    # Registers per thread of the dispatch send (NVIDIA; 0: the compiler's choice). The routing inside
+    # the send needs far more than the data path, and a kernel's registers are its most demanding
+    # code's: capped, the rarely run routing spills instead of the send losing programs per SM.
+    send_max_registers: int = 0
     copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
     combine_send_tile: int = 8192  # elements per work item of the combine send
@@ -61,9 +65,9 @@ class KernelTuning:
         if self.dispatch_recv_bytes_per_sm <= 0:
             raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
         for name in TILE_FIELDS:
-            value = getattr(self, name)
-            if value < MIN_TILE or value & (value - 1):
-                raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {MIN_TILE}")
+            value, least = getattr(self, name), MIN_ROUTE_TASK if name == "fused_route_block" else MIN_TILE
+            if value < least or value & (value - 1):
+                raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {least}")
 
 
 TILE_FIELDS = (
@@ -77,6 +81,8 @@ TILE_FIELDS = (
 )
 # The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
 MIN_TILE = 64
+# The fewest tokens of a routing task inside the dispatch send, and so the most tasks a batch can span.
+MIN_ROUTE_TASK = 16
 # The fewest and the most programs per SM of the dispatch receive, whatever its rows' size.
 DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.

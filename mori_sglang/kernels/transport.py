@@ -293,10 +293,12 @@ def _tokens_to(
     rows = n0 + tl.arange(0, BLOCK_N)
     mask = (rows < num_tokens)[:, None] & (k_offs < K)[None, :]
     ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1)
-    dest = tl.where((ids >= 0) & (ids < num_experts), ids // num_local_experts, -1)
+    # 32-bit from here on (an id that routes somewhere fits): the routing's registers are the send's too.
+    valid = (ids >= 0) & (ids < num_experts)
+    dest = tl.where(valid, tl.where(valid, ids, 0).to(tl.int32) // num_local_experts, -1)
     here = (dest == d) & mask
     first = tl.min(tl.where(here, k_offs[None, :], KP), axis=1)
-    goes = (first < KP).to(tl.int64)
+    goes = (first < KP).to(tl.int32)
     return rows, ids, mask, dest, here, first, goes
 
 
@@ -364,7 +366,8 @@ def _write_routes(
     position = before + tl.cumsum(goes, 0) - goes
     owner = here & (k_offs[None, :] == first[:, None])
     slot = tl.where(owner, d * max_tokens + position[:, None], -1)
-    row = tl.where(owner, tl.load(peer_bases + d) + (rank * max_tokens + position[:, None]) * ROW_BYTES, 0)
+    slot_in_arena = (rank * max_tokens + position[:, None]).to(tl.int64)
+    row = tl.where(owner, tl.load(peer_bases + d) + slot_in_arena * ROW_BYTES, 0)
     pair = rows[:, None] * K + k_offs[None, :]
     tl.store(slot_of_pair_ptr + pair, slot, mask=here)
     tl.store(row_of_pair_ptr + pair, row, mask=here)
@@ -410,9 +413,9 @@ def route_kernel(
     nb = tl.num_programs(1)
     if BLOCKS_P2 > 1:
         earlier = tl.arange(0, BLOCKS_P2)
-        before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0)
+        before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0).to(tl.int32)
     else:
-        before = tl.zeros((), dtype=tl.int64)
+        before = tl.zeros((), dtype=tl.int32)
     _write_routes(
         ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, d, b, before,
         b == nb - 1, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, BLOCK_N,
@@ -467,7 +470,7 @@ def _count_before(
                     ids_ptr, d, e * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
                 )
                 before += tl.sum(goes, 0)
-    return before
+    return before.to(tl.int32)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton.language as tl
 from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.kernels import interpreter, transport
-from mori_sglang.kernels.geometry import MIN_TILE, KernelTuning, multiprocessors, program_count
+from mori_sglang.kernels.geometry import MIN_ROUTE_TASK, MIN_TILE, KernelTuning, multiprocessors, program_count
 from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.providers.arena import Arena, ArenaLayout
 from mori_sglang.providers.base import (
@@ -161,7 +161,7 @@ class TritonProvider(EpProvider):
         self._no_scales = torch.zeros(1, dtype=torch.int32, device=device)  # the scale words when none travel
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
-        route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_TILE)  # the most a batch can span
+        route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_ROUTE_TASK)  # the most a batch can span
         # Per routing block and destination: its count (tagged with the send's round when fused), and,
         # for the routing inside the send, the round its task was claimed in and the round it finished.
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
@@ -275,7 +275,7 @@ class TritonProvider(EpProvider):
         cfg = self.config
         fused = self._tuning.fused_routing
         most = self._tuning.fused_route_block if fused else self._tuning.route_block
-        route_block = min(most, max(triton.next_power_of_2(num_tokens), MIN_TILE))
+        route_block = min(most, max(triton.next_power_of_2(num_tokens), MIN_ROUTE_TASK if fused else MIN_TILE))
         blocks = max(1, triton.cdiv(num_tokens, route_block))
         experts = {"num_tokens": num_tokens, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_local_experts}
         routes = {
@@ -337,6 +337,7 @@ class TritonProvider(EpProvider):
                 "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
                 "enable_fp_fusion": False,
                 "num_warps": self._tuning.send_warps,
+                **({"maxnreg": self._tuning.send_max_registers} if self._tuning.send_max_registers else {}),
             },
             ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
