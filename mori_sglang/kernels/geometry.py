@@ -19,9 +19,12 @@ class KernelTuning:
     """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
     (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
 
-    # The routing inside the dispatch send (one launch per send), in tasks of this many tokens for one
-    # destination; otherwise two kernels before the send, in blocks of ``route_block`` tokens.
-    fused_routing: bool = True
+    # Batches of at most this many tokens route inside the dispatch send (one launch per send), in
+    # tasks of ``fused_route_block`` tokens for one destination; larger batches (0: every batch) route
+    # in one or two kernels before the send, in blocks of ``route_block`` tokens. On an H200 the routing
+    # inside the send costs the device nothing at 128 tokens per rank and 17% of the send at 4096, where
+    # the device, not the host's launches, bounds an eager step (docs/performance.md).
+    fused_routing_max_tokens: int = 512
     fused_route_block: int = 16
     route_block: int = 256  # tokens per routing program; larger batches get more programs
     route_warps: int = 4
@@ -57,10 +60,10 @@ class KernelTuning:
         return min(most, max(fewest, nearest))
 
     def __post_init__(self) -> None:
-        if self.fused_routing and self.send_warps != 1:
+        if self.fused_routing_max_tokens and self.send_warps != 1:
             raise ValueError(
-                f"KernelTuning.send_warps={self.send_warps} with fused_routing: the routing's waits read each "
-                "poll as one value in a single warp; use send_warps=1 or fused_routing=False"
+                f"KernelTuning.send_warps={self.send_warps} with fused routing: the routing's waits read each "
+                "poll as one value in a single warp; use send_warps=1 or fused_routing_max_tokens=0"
             )
         if self.dispatch_recv_bytes_per_sm <= 0:
             raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")

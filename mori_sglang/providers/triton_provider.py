@@ -273,7 +273,7 @@ class TritonProvider(EpProvider):
         """The routing kernels (none when the send routes, one or two otherwise) and the send of a
         batch of ``num_tokens``."""
         cfg = self.config
-        fused = self._tuning.fused_routing
+        fused = num_tokens <= self._tuning.fused_routing_max_tokens
         most = self._tuning.fused_route_block if fused else self._tuning.route_block
         route_block = min(most, max(triton.next_power_of_2(num_tokens), MIN_ROUTE_TASK if fused else MIN_TILE))
         blocks = max(1, triton.cdiv(num_tokens, route_block))

@@ -106,8 +106,8 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 def _step(cfg: EpConfig, tokens: list[int], fused_routing: bool) -> None:
     world = LoopbackWorld(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    # Blocks of 64 tokens, so that a 65-token batch spans two routing blocks.
-    world.set_kernel_tuning(KernelTuning(fused_routing=fused_routing, route_block=64, fused_route_block=64))
+    # Routing blocks of 64 tokens, so that a 65-token batch spans two (and several tasks of 16 when fused).
+    world.set_kernel_tuning(KernelTuning(fused_routing_max_tokens=max(tokens) if fused_routing else 0, route_block=64))
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(world.device) for n in tokens]
     ids = [torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.to(world.device) for n in tokens]

@@ -1,6 +1,6 @@
 """What an eager step of the Triton provider costs the host, counted rather than timed: one kernel
-launch per call (the dispatch send routes in its own launch; with ``fused_routing=False`` the routing
-kernels run before it, with a count pass for a batch of several routing blocks), and, once a batch
+launch per call (the dispatch send routes in its own launch; past ``fused_routing_max_tokens`` the
+routing kernels run before it, with a count pass for a batch of several routing blocks), and, once a batch
 size has been seen, no torch
 operation at all in any call (no allocation, dtype conversion, contiguous copy, view or read of a
 device value), in both modes, for int32 and int64 ids. The benchmark's ``--eager`` flag times the same
@@ -33,9 +33,10 @@ BATCHES = (3, 70)
 CALLS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
-def _launches_per_call(num_tokens: int, fused_routing: bool) -> dict[str, int]:
-    """One kernel per call; without fused routing, the routing (two passes past one block) and the send."""
-    routing = 0 if fused_routing else 1 if num_tokens <= ROUTE_BLOCK else 2
+def _launches_per_call(num_tokens: int, fused_routing_max_tokens: int) -> dict[str, int]:
+    """One kernel per call; past the fused routing's batch size, the routing (two passes past one
+    block) and the send."""
+    routing = 0 if num_tokens <= fused_routing_max_tokens else 1 if num_tokens <= ROUTE_BLOCK else 2
     return {"dispatch_send": routing + 1, "dispatch_recv": 1, "combine_send": 1, "combine_recv": 1}
 
 
@@ -141,16 +142,18 @@ def _expert_outputs(gen: torch.Generator) -> list[torch.Tensor]:
     return [torch.randn(CAPACITY * WORLD, HIDDEN, generator=gen).to(torch.bfloat16) for _ in range(WORLD)]
 
 
-@pytest.mark.parametrize("fused_routing", [True, False])
+@pytest.mark.parametrize("fused_routing_max_tokens", [CAPACITY, BATCHES[0], 0])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", [Mode.LOW_LATENCY, Mode.INTRANODE])
 def test_each_call_launches_its_kernels_and_runs_no_torch_op(
-    mode: Mode, ids_dtype: torch.dtype, fused_routing: bool, kernel_runs: Counter
+    mode: Mode, ids_dtype: torch.dtype, fused_routing_max_tokens: int, kernel_runs: Counter
 ) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(mode))
     world.set_kernel_tuning(
-        KernelTuning(fused_routing=fused_routing, route_block=ROUTE_BLOCK, fused_route_block=ROUTE_BLOCK)
+        KernelTuning(
+            fused_routing_max_tokens=fused_routing_max_tokens, route_block=ROUTE_BLOCK, fused_route_block=ROUTE_BLOCK
+        )
     )
     reference = LoopbackWorld(_config(mode, Provider.TORCH))
     for n in BATCHES:  # the first step of a batch size binds its launches and views
@@ -160,7 +163,7 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
         ys = _expert_outputs(gen)
         record = CallRecorder(kernel_runs)
         combined = _step(world, batches, ys, record)
-        expected = _launches_per_call(n, fused_routing)
+        expected = _launches_per_call(n, fused_routing_max_tokens)
         assert record.launches == {(call, r): expected[call] for call in CALLS for r in range(WORLD)}, n
         assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
         assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
@@ -177,7 +180,7 @@ def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
     world = LoopbackWorld(_config(Mode.LOW_LATENCY))
     reference = LoopbackWorld(_config(Mode.LOW_LATENCY, Provider.TORCH))
     n = BATCHES[1]
-    for send_launches, tuning in ((1, None), (3, KernelTuning(fused_routing=False, route_block=ROUTE_BLOCK))):
+    for send_launches, tuning in ((1, None), (3, KernelTuning(fused_routing_max_tokens=0, route_block=ROUTE_BLOCK))):
         if tuning is not None:
             world.set_kernel_tuning(tuning)
         batches = [_inputs(n, gen, torch.int32) for _ in range(WORLD)]
