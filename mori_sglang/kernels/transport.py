@@ -25,6 +25,11 @@ of everything before it. The launch and the programs' start overlap the kernel b
 following it. The routing kernels also let the kernel after them launch as soon as their own wait is
 over: the dispatch send starts while the routing runs, and waits for it before reading its output.
 ``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
+
+The routing (each copy's destination slot) runs inside the dispatch send for small batches, so that a
+send is one launch (``FUSED_ROUTING``, the tasks below ``route_kernel``), and in ``route_count_kernel``
+and ``route_kernel`` before the send for large ones, where the send's extra registers cost more device
+time than the launches cost the host (docs/performance.md).
 """
 
 from __future__ import annotations
