@@ -67,6 +67,13 @@ class EpDispatchCombineOp:
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
         setup = ProviderSetup(config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback)
         self.provider = build_provider(self.provider_kind, setup)
+        # Whether bf16 tokens are quantized by the provider's send (into the format's own scale row
+        # only), decided once: the per-step host path stays short.
+        self._quantize_in_send = (
+            config.dispatch_dtype is not DispatchDtype.BF16
+            and config.dispatch_dtype in self.provider.capabilities.fused_quantization
+            and self.scale_bytes == formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden)
+        )
 
     # -- properties callers size their buffers with ---------------------------------------------
 
@@ -108,12 +115,7 @@ class EpDispatchCombineOp:
         self._dispatches += 1
         payload = x
         if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
-            fused = self.config.dispatch_dtype in self.provider.capabilities.fused_quantization
-            # The send quantizes into the format's own scale row only.
-            format_scale_row = self.scale_bytes == formats.dispatch_scale_bytes(
-                self.config.dispatch_dtype, self.config.hidden
-            )
-            if fused and scales is None and format_scale_row:
+            if self._quantize_in_send and scales is None:
                 self.provider.dispatch_send(x, None, topk_weights, topk_ids, self.layout, quantize=True)
                 return
             payload, scales = formats.quantize_dispatch(x, self.config.dispatch_dtype, self.fp8_dtype)
