@@ -31,10 +31,6 @@ class KernelTuning:
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
     send_programs_per_sm: int = 48
-    # Registers per thread of the dispatch send (NVIDIA; 0: the compiler's choice). The routing inside
-    # the send needs far more than the data path, and a kernel's registers are its most demanding
-    # code's: capped, the rarely run routing spills instead of the send losing programs per SM.
-    send_max_registers: int = 0
     copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
     combine_send_tile: int = 8192  # elements per work item of the combine send

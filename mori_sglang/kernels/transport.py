@@ -308,6 +308,17 @@ def _tokens_to(
 
 
 @triton.jit
+def _block_count(
+    ids_ptr, d, b, num_tokens, num_experts, num_local_experts, K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """How many tokens of block b go to rank d."""
+    _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
+        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
+    )
+    return tl.sum(goes, 0)
+
+
+@triton.jit
 def route_count_kernel(
     ids_ptr,
     block_counts_ptr,
@@ -324,10 +335,8 @@ def route_count_kernel(
     _routing_start(PDL)
     d = tl.program_id(0)
     b = tl.program_id(1)
-    _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
-        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
-    )
-    tl.store(block_counts_ptr + d * tl.num_programs(1) + b, tl.sum(goes, 0))
+    count = _block_count(ids_ptr, d, b, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
+    tl.store(block_counts_ptr + d * tl.num_programs(1) + b, count)
 
 
 @triton.jit
@@ -353,7 +362,7 @@ def _write_routes(
     BLOCK_N: tl.constexpr,
 ):
     """Number the tokens of block b that go to rank d, in token order, after the ``before`` tokens of
-    the earlier blocks, and return how many go.
+    the earlier blocks.
 
     A token goes to d once, through its first top-k slot whose expert lives on d (the owner);
     ``slot_of_pair[n, k]`` gets ``d * max_tokens + position`` for the owner, -1 for the other slots
@@ -383,10 +392,8 @@ def _write_routes(
         too_big = tl.max(tl.where(mask & (ids >= num_experts), ids.to(tl.int64) - (num_experts - 1), 0))
         if too_big > 0:
             tl.atomic_max(status_ptr + 1, too_big)
-    count = tl.sum(goes, 0)
     if last_block:
-        tl.store(send_counts_ptr + d, before + count)
-    return count
+        tl.store(send_counts_ptr + d, before + tl.sum(goes, 0))
 
 
 @triton.jit
@@ -471,10 +478,7 @@ def _count_before(
     if tl.max(missing.to(tl.int32), 0) > 0:
         for e in range(0, b):
             if tl.sum(tl.where(earlier == e, missing.to(tl.int32), 0), 0) > 0:
-                _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
-                    ids_ptr, d, e * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
-                )
-                before += tl.sum(goes, 0)
+                before += _block_count(ids_ptr, d, e, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
     return before.to(tl.int32)
 
 
@@ -507,10 +511,10 @@ def _route_task(
     number the tokens (``_write_routes``) and mark the task routed (release)."""
     d = task % W
     b = task // W
-    _rows, _ids, _mask, _dest, _here, _first, goes = _tokens_to(
-        ids_ptr, d, b * BLOCK_N, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N
-    )
-    tl.atomic_xchg(counts_ptr + task, (target << TASK_TAG_SHIFT) | tl.sum(goes, 0), sem="relaxed", scope="gpu")
+    # Counted here, numbered after the wait from the ids again: nothing of the block stays live across
+    # the wait (the routing's registers are the send's).
+    count = _block_count(ids_ptr, d, b, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
+    tl.atomic_xchg(counts_ptr + task, (target << TASK_TAG_SHIFT) | count, sem="relaxed", scope="gpu")
     before = _count_before(
         ids_ptr, counts_ptr, d, b, target, num_tokens, num_experts, num_local_experts, K, KP, W, BLOCK_N, NBP,
         COUNT_SPINS,

@@ -314,7 +314,8 @@ class TritonProvider(EpProvider):
             fixed["scales_ptr"] = self._no_scales
         send = self._bind(
             transport.dispatch_send_kernel,
-            self._grid(self._tuning.send_programs_per_sm, max(num_tokens * tiles, blocks * cfg.world_size)),
+            # A send that routes needs a program per routing task too.
+            self._grid(self._tuning.send_programs_per_sm, max(num_tokens * tiles, blocks * cfg.world_size * fused)),
             fixed,
             {
                 **self._row_meta(layout),
@@ -337,7 +338,6 @@ class TritonProvider(EpProvider):
                 "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
                 "enable_fp_fusion": False,
                 "num_warps": self._tuning.send_warps,
-                **({"maxnreg": self._tuning.send_max_registers} if self._tuning.send_max_registers else {}),
             },
             ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
