@@ -9,8 +9,10 @@ inputs from the same seed, which is what lets the gloo test demand bit-identical
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -464,12 +466,32 @@ def assert_results_identical(a: Sequence[RankResult], b: Sequence[RankResult], w
 
 
 def _gloo_entry(rank: int, world_size: int, init_file: str, fn: Callable[..., None], args: tuple) -> None:
+    """One rank: ``fn`` between the default group's creation and the destruction of every group, which
+    must free the groups still registered when ``fn`` returns (a framework's own teardown inside ``fn``
+    destroys the ones it made).
+
+    A gloo group something still holds after ``destroy_process_group`` keeps its worker threads running
+    into the interpreter's exit, where a thread finishing its last collective needs the GIL and aborts
+    the process (``terminate called without an active exception``) now and then: a flaky crash. A
+    held group is therefore an error here, every time, naming what holds it.
+    """
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        gc.collect()  # objects in reference cycles that hold a group
+        # torch.distributed lists its live groups in no public place; _world is where it keeps them.
+        groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+        if dist.is_initialized():  # a framework's teardown in ``fn`` may have destroyed it already
+            dist.destroy_process_group()
+    held = [group() for group in groups if group() is not None]
+    if held:
+        holders = sorted({type(r).__name__ for group in held for r in gc.get_referrers(group)} - {"list"})
+        raise RuntimeError(
+            f"rank {rank}: {len(held)} process group(s) outlived destroy_process_group, held by {holders}: "
+            "release them (close what was built over them) before the worker returns"
+        )
 
 
 def run_gloo(world_size: int, fn: Callable[..., None], args: tuple, tmp_path: Path, timeout_s: float = 240) -> None:

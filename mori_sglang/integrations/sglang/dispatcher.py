@@ -116,6 +116,14 @@ def _shared_op(
     return op
 
 
+def release_shared_ops() -> None:
+    """Forget the ops the dispatchers share. Each holds its process group and buffers for as long as it
+    is shared; a process that tears its groups down (``destroy_process_group``) calls this first, so
+    that no group outlives its destruction with its worker threads (gloo's would still run into the
+    interpreter's exit) and the buffers go with the groups. Dispatchers built afterwards build anew."""
+    _shared_op.cache_clear()
+
+
 def _process_group(group: Any) -> dist.ProcessGroup:
     """SGLang hands the MoRI dispatcher its tp GroupCoordinator; the op wants the device group."""
     if isinstance(group, dist.ProcessGroup):

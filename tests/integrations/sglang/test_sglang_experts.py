@@ -65,7 +65,7 @@ from sglang.srt.runtime_context import get_context, get_flags, get_parallel  # n
 from mori_sglang import formats  # noqa: E402
 from mori_sglang.config import DispatchDtype  # noqa: E402
 from mori_sglang.integrations.sglang import triton_experts  # noqa: E402
-from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher  # noqa: E402
+from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher, release_shared_ops  # noqa: E402
 from mori_sglang.kernels.interpreter import install_exact_casts  # noqa: E402
 from tests.helpers import generator, run_gloo  # noqa: E402
 
@@ -494,15 +494,19 @@ def _experts_worker(rank: int, world_size: int, seed: int, combos: list[tuple[st
     models = {weights: Model.build(seed, weights) for weights in {w for w, _ in combos}}
     rows_bound = bounded_rows(sum(TOKENS[world_size]))
     assert rows_bound < world_size * CAP
-    for mode in MODES:
-        for weights, dispatch_value in combos:
-            recorder = start_recorder(rank, world_size) if (weights, dispatch_value) == combos[0] else None
-            rows = run_layer(check, models[weights], mode, dispatch_value, TOKENS, True, recorder)
-            assert rows == [rows_bound] * len(STEPS), f"{mode}: rows {rows}, the bound's {rows_bound}"
-            if recorder is not None:
-                counts = recorder.dump_record(output_mode="object")["logical_count"].sum(dim=0)[0]
-                want = sum(true_counts(seed, world_size, models[weights], s, TOKENS) for s in STEPS)
-                assert counts.tolist() == want.tolist(), f"{mode}: recorded {counts.tolist()}, true {want.tolist()}"
+    try:
+        for mode in MODES:
+            for weights, dispatch_value in combos:
+                first = (weights, dispatch_value) == combos[0]
+                recorder = start_recorder(rank, world_size) if first else None
+                rows = run_layer(check, models[weights], mode, dispatch_value, TOKENS, True, recorder)
+                assert rows == [rows_bound] * len(STEPS), f"{mode}: rows {rows}, the bound's {rows_bound}"
+                if recorder is not None:
+                    counts = recorder.dump_record(output_mode="object")["logical_count"].sum(dim=0)[0]
+                    want = sum(true_counts(seed, world_size, models[weights], s, TOKENS) for s in STEPS)
+                    assert counts.tolist() == want.tolist(), f"{mode}: recorded {counts.tolist()}, want {want.tolist()}"
+    finally:
+        release_shared_ops()
 
 
 def _bound_worker(rank: int, world_size: int, seed: int) -> None:
@@ -512,13 +516,16 @@ def _bound_worker(rank: int, world_size: int, seed: int) -> None:
     setup_worker()
     check = Check(seed, rank, world_size, tp_coordinator(world_size, rank))
     model = Model.build(seed, "bf16")
-    for value, modes in (("1", ("normal", "low_latency")), ("0", ("split",))):
-        os.environ["SGLANG_MORI_RECV_BOUND"] = value
-        for mode in modes:
-            rows = run_layer(check, model, mode, "auto", SPLIT_TOKENS, False)
-            bound = world_size * SPLIT_TOKENS[world_size][rank] + rank
-            want = bounded_rows(bound) if value == "1" else world_size * CAP
-            assert rows == [want] * len(STEPS), f"SGLANG_MORI_RECV_BOUND={value} {mode}: rows {rows}, want {want}"
+    try:
+        for value, modes in (("1", ("normal", "low_latency")), ("0", ("split",))):
+            os.environ["SGLANG_MORI_RECV_BOUND"] = value
+            for mode in modes:
+                rows = run_layer(check, model, mode, "auto", SPLIT_TOKENS, False)
+                bound = world_size * SPLIT_TOKENS[world_size][rank] + rank
+                want = bounded_rows(bound) if value == "1" else world_size * CAP
+                assert rows == [want] * len(STEPS), f"SGLANG_MORI_RECV_BOUND={value} {mode}: rows {rows}, want {want}"
+    finally:
+        release_shared_ops()
 
 
 @pytest.mark.slow

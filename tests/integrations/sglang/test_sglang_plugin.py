@@ -50,7 +50,7 @@ from mori_sglang import env, formats  # noqa: E402
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode  # noqa: E402
 from mori_sglang.env import EnvError  # noqa: E402
 from mori_sglang.integrations.sglang import plugin  # noqa: E402
-from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher  # noqa: E402
+from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher, release_shared_ops  # noqa: E402
 from mori_sglang.op import InputError  # noqa: E402
 from mori_sglang.providers.mori_provider import finalize_shmem  # noqa: E402
 from tests.helpers import generator, run_gloo  # noqa: E402
@@ -109,6 +109,7 @@ def tp() -> Iterator[GroupCoordinator]:
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield tp_coordinator(dist.get_world_size(), dist.get_rank())
+    release_shared_ops()
     if owned:
         dist.destroy_process_group()
 
@@ -741,12 +742,15 @@ def _layer_worker(rank: int, world_size: int, seed: int) -> None:
     os.environ[CAP_VAR] = str(LAYER_CAP)
     load_plugins()
     tp = tp_coordinator(world_size, rank)
-    for mode_name, (_, split) in LAYER_MODES.items():
-        os.environ["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] = split
-        for dispatch, combine in [(d, c) for d in DISPATCH_VALUES for c in COMBINE_VALUES]:
-            os.environ["SGLANG_MORI_DISPATCH_DTYPE"] = DISPATCH_VALUES[dispatch]
-            os.environ["SGLANG_MORI_COMBINE_DTYPE"] = COMBINE_VALUES[combine]
-            check_layer(world_size, mode_name, seed, dispatch, combine, tp)
+    try:
+        for mode_name, (_, split) in LAYER_MODES.items():
+            os.environ["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] = split
+            for dispatch, combine in [(d, c) for d in DISPATCH_VALUES for c in COMBINE_VALUES]:
+                os.environ["SGLANG_MORI_DISPATCH_DTYPE"] = DISPATCH_VALUES[dispatch]
+                os.environ["SGLANG_MORI_COMBINE_DTYPE"] = COMBINE_VALUES[combine]
+                check_layer(world_size, mode_name, seed, dispatch, combine, tp)
+    finally:
+        release_shared_ops()
 
 
 def _mori_layer_worker(rank: int, world_size: int, seed: int) -> None:
@@ -762,6 +766,7 @@ def _mori_layer_worker(rank: int, world_size: int, seed: int) -> None:
     try:
         _mori_layer_checks(rank, world_size, seed)
     finally:
+        release_shared_ops()
         finalize_shmem()
 
 

@@ -390,18 +390,25 @@ def rank_main(rank: int, world_size: int, seed: int, out_dir: str) -> None:
     # machine has no accelerator, and there is nothing to empty.
     torch.accelerator.empty_cache = lambda: None
     selection = {}
-    for i, backend in enumerate(BACKENDS):
-        parallel = ParallelConfig(all2all_backend=backend, enable_expert_parallel=True)
-        with set_current_vllm_config(VllmConfig(parallel_config=parallel, device_config=DeviceConfig(device="cpu"))):
-            if i == 0:
-                parallel_state.init_distributed_environment(world_size, rank, local_rank=rank, backend="gloo")
-                parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-            ep = parallel_state.get_ep_group()
-            comm = CudaCommunicator(ep.cpu_group, torch.device("cpu"), unique_name="ep:mori", use_all2all=True)
-            manager = comm.all2all_manager
-            selection[backend] = type(manager) is MoriSglangAll2AllManager and manager.all2all_backend == backend
-            for name in (n for b, n in RUNS if b == backend):
-                run_case(backend, name, rank, seed, manager, Path(out_dir))
+    try:
+        for i, backend in enumerate(BACKENDS):
+            parallel = ParallelConfig(all2all_backend=backend, enable_expert_parallel=True)
+            device = DeviceConfig(device="cpu")
+            with set_current_vllm_config(VllmConfig(parallel_config=parallel, device_config=device)):
+                if i == 0:
+                    parallel_state.init_distributed_environment(world_size, rank, local_rank=rank, backend="gloo")
+                    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+                ep = parallel_state.get_ep_group()
+                comm = CudaCommunicator(ep.cpu_group, torch.device("cpu"), unique_name="ep:mori", use_all2all=True)
+                manager = comm.all2all_manager
+                selection[backend] = type(manager) is MoriSglangAll2AllManager and manager.all2all_backend == backend
+                for name in (n for b, n in RUNS if b == backend):
+                    run_case(backend, name, rank, seed, manager, Path(out_dir))
+                comm.destroy()  # vLLM's teardown: the manager drops its ops, which hold the EP group
+    finally:
+        # vLLM's groups (its coordinators hold them) go before the launcher destroys the default group.
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
     torch.save(selection, Path(out_dir) / f"selection-rank{rank}.pt")
 
 

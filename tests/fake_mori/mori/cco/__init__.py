@@ -2,7 +2,9 @@
 
 As in the real package, rank 0 makes a unique id, the caller broadcasts it, and every rank calls
 ``Communicator.init`` with it (a collective). The stand-in checks that every rank got the same id and
-that the ranks agree with the process group.
+that the ranks agree with the process group. Like the real one, a communicator does not own the torch
+group: it looks the default group up when it needs it, so that group dies with ``destroy_process_group``
+even while an op still holds the communicator.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Communicator:
     DEFAULT_PER_RANK_VMM: int = 4 * 1024 * 1024 * 1024
 
     def __init__(self) -> None:
-        self.group: dist.ProcessGroup | None = None
+        self._valid = False
         self._rank: int | None = None
         self._nranks: int | None = None
         self.per_rank_vmm = 0
@@ -53,17 +55,22 @@ class Communicator:
         if len(set(ids)) != 1:
             raise RuntimeError("ranks called Communicator.init with different unique ids")
         comm = cls()
-        comm.group, comm._rank, comm._nranks, comm.per_rank_vmm = group, rank, nranks, per_rank_vmm
+        comm._valid, comm._rank, comm._nranks, comm.per_rank_vmm = True, rank, nranks, per_rank_vmm
         return comm
 
     @property
     def is_valid(self) -> bool:
-        return self.group is not None
+        return self._valid
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group the stand-in's transfers run over (the default one)."""
+        return self._check_valid("communicate")
 
     def _check_valid(self, op: str) -> dist.ProcessGroup:
-        if self.group is None:
+        if not self._valid:
             raise RuntimeError(f"Cannot {op}: Communicator has been destroyed")
-        return self.group
+        return dist.group.WORLD
 
     @property
     def rank(self) -> int:
@@ -79,4 +86,4 @@ class Communicator:
         dist.barrier(self._check_valid("barrier"))
 
     def destroy(self) -> None:
-        self.group = None
+        self._valid = False
