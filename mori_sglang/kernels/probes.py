@@ -20,3 +20,20 @@ def fan_out_kernel(x_ptr, out_ptr, out_stride, num_tokens, D: tl.constexpr, HIDD
         high = (tl.load(x_ptr + n * HIDDEN + cols) >> 8).to(tl.uint8)
         rows = out_ptr + dests[:, None] * out_stride + n * HIDDEN + cols[None, :]
         tl.store(rows, tl.broadcast_to(high[None, :], (D, TILE)))
+
+
+@triton.jit
+def launch_probe_kernel(out_ptr):
+    """Nothing to move: one program stores one word, so a launch costs its launcher and nothing else."""
+    tl.store(out_ptr, 1)
+
+
+@triton.jit
+def launch_probe_wide_kernel(
+    out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19
+):
+    """The launch probe with the dispatch send's count of runtime arguments (21): a launcher's cost per
+    argument shows against ``launch_probe_kernel``."""
+    low = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9
+    high = a10 + a11 + a12 + a13 + a14 + a15 + a16 + a17 + a18 + a19
+    tl.store(out_ptr, low + high)

@@ -1,0 +1,130 @@
+"""Host cost of one kernel launch by each path a step's calls can take: the floor under an eager step's
+host time (``bench --eager``), with the device kept busy so that no row waits for it.
+
+    python -m mori_sglang.tools.launch_cost --iters 200
+
+Rows: torch's own launch (an in-place add on one element); a Triton kernel through its JIT
+(``kernel[grid](...)``: binding, specialization key, cache lookup); through a ``BoundLaunch`` (the
+provider's path), without and with a per-launch tensor; through the compiled kernel's launcher called
+with prepared arguments (what Triton costs below the JIT); each for a kernel of one runtime argument and
+one of 21 (the dispatch send's count). On CPU the kernels run in Triton's interpreter and the times say
+nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mori_sglang import cli
+from mori_sglang.kernels.launch import BoundLaunch
+from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
+from mori_sglang.tools.measure import sync
+
+WIDE_ARGUMENTS = 20  # beside the output pointer
+REPEATS = 5
+
+
+@dataclass
+class LaunchCost:
+    path: str
+    runtime_arguments: int
+    host_us: float  # median over the repeats of the mean per launch
+    ratio_to_torch: float
+    device_kept_busy: bool
+
+
+def host_us_per_call(call: Callable[[], object], device: torch.device, iters: int) -> tuple[float, bool]:
+    """Median over repeats of the mean host µs of ``iters`` calls; on a GPU a sleep kernel queued ahead
+    outlasts them (the second value says whether it did every time)."""
+    for _ in range(3):
+        call()
+    sync(device)
+    means, busy = [], True
+    for _ in range(REPEATS):
+        marker = None
+        if device.type == "cuda":
+            torch.cuda._sleep(50_000_000)  # tens of ms on current GPUs, far past the launches
+            marker = torch.cuda.Event()
+            marker.record()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        means.append((time.perf_counter() - t0) * 1e6 / iters)
+        if marker is not None:
+            busy = busy and not marker.query()
+        sync(device)
+    return statistics.median(means), busy
+
+
+def _paths(device: torch.device, wide: bool) -> dict[str, Callable[[], object]]:
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    kernel = launch_probe_wide_kernel if wide else launch_probe_kernel
+    values = {f"a{i}": i + 1 for i in range(WIDE_ARGUMENTS)} if wide else {}
+    bound = BoundLaunch(kernel, device, (1,), {"out_ptr": out, **values}, {"num_warps": 1})
+    per_call = BoundLaunch(kernel, device, (1,), values, {"num_warps": 1}, variable=("out_ptr",))
+    paths: dict[str, Callable[[], object]] = {
+        "Triton JIT (kernel[grid](...))": lambda: kernel[(1,)](out, **values, num_warps=1),
+        "BoundLaunch, fixed arguments": bound,
+        "BoundLaunch, one tensor per launch": lambda: per_call(out),
+    }
+    if device.type == "cuda":
+        compiled = kernel[(1,)](out, **values, num_warps=1)
+        from triton.runtime import driver
+
+        stream = driver.active.get_current_stream(device.index)
+        arguments = (out.data_ptr(), *values.values())
+        function, metadata = compiled.function, compiled.packed_metadata
+        paths["compiled kernel's launcher, prepared arguments"] = lambda: compiled.run(
+            1, 1, 1, stream, function, metadata, None, None, None, *arguments
+        )
+    return paths
+
+
+def measure(device: torch.device, iters: int) -> list[LaunchCost]:
+    one = torch.zeros(1, device=device)
+    torch_us, torch_busy = host_us_per_call(lambda: one.add_(1), device, iters)
+    rows = [LaunchCost("torch (in-place add)", 1, torch_us, 1.0, torch_busy)]
+    for wide in (False, True):
+        for path, call in _paths(device, wide).items():
+            us, busy = host_us_per_call(call, device, iters)
+            rows.append(LaunchCost(path, 1 + WIDE_ARGUMENTS * wide, us, us / torch_us, busy))
+    return rows
+
+
+def markdown(rows: list[LaunchCost]) -> str:
+    lines = [
+        "| path | runtime arguments | host µs per launch | vs torch's launch | device kept busy |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        busy = "yes" if r.device_kept_busy else "no"
+        lines.append(f"| {r.path} | {r.runtime_arguments} | {r.host_us:.2f} | {r.ratio_to_torch:.2f} | {busy} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[LaunchCost]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=cli.positive_int, default=200, help="launches per timed repeat")
+    parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    device = cli.resolve_device(args.device)
+    cli.check_triton_runs(device, "python -m mori_sglang.tools.launch_cost")
+    rows = measure(device, args.iters)
+    print(f"host cost of one launch on {device} (median of {REPEATS} repeats of {args.iters} launches)\n")
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    cli.run(main, "python -m mori_sglang.tools.launch_cost")

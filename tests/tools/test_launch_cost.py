@@ -1,0 +1,49 @@
+"""The launch-cost probe: its kernels run and store what they say (so a row times a real launch), and
+the CLI prints one row per path and argument count beside torch's own launch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
+from mori_sglang.tools import launch_cost
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the launch probes are Triton kernels: needs a GPU or TRITON_INTERPRET=1",
+)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_the_probes_store_their_word() -> None:
+    out = torch.full((1,), -7, dtype=torch.int64, device=DEVICE)  # poison
+    launch_probe_kernel[(1,)](out)
+    assert out.item() == 1
+    values = [int(v) for v in torch.randint(-1000, 1000, (launch_cost.WIDE_ARGUMENTS,))]
+    launch_probe_wide_kernel[(1,)](out, *values)
+    assert out.item() == sum(values)
+
+
+def test_cli_prints_every_path_for_both_kernels(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    rows = launch_cost.main(["--iters", "2", "--device", DEVICE.type, "--json", str(tmp_path / "rows.json")])
+    paths = ["Triton JIT (kernel[grid](...))", "BoundLaunch, fixed arguments", "BoundLaunch, one tensor per launch"]
+    if DEVICE.type == "cuda":
+        paths.append("compiled kernel's launcher, prepared arguments")
+    want = [("torch (in-place add)", 1)] + [(p, 1) for p in paths] + [(p, 21) for p in paths]
+    assert [(r.path, r.runtime_arguments) for r in rows] == want
+    assert all(r.host_us > 0 for r in rows) and rows[0].ratio_to_torch == 1.0
+    printed = capsys.readouterr().out
+    assert all(f"| {r.path} | {r.runtime_arguments} | {r.host_us:.2f} |" in printed for r in rows)
+    assert (tmp_path / "rows.json").read_text().count('"path"') == len(rows)
+
+
+def test_on_a_cpu_without_the_interpreter_the_cli_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from mori_sglang import cli
+
+    monkeypatch.setattr(cli, "interpreting", lambda: False)
+    with pytest.raises(cli.SetupError, match="TRITON_INTERPRET=1"):
+        launch_cost.main(["--device", "cpu", "--iters", "1"])
