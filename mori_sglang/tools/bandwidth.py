@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,7 +20,7 @@ import triton.testing
 from mori_sglang import cli
 from mori_sglang.kernels.geometry import multiprocessors, program_count
 from mori_sglang.kernels.probes import fan_out_kernel
-from mori_sglang.tools.measure import copy_bandwidth, roofline_bytes, time_phases
+from mori_sglang.tools.measure import copy_bandwidth, roofline_bytes, time_phases, write_rows
 
 # (warps, programs per SM): the dispatch send's shape and two wider ones.
 FAN_OUT_SHAPES = ((1, 32), (2, 16), (4, 8))
@@ -114,9 +113,7 @@ def main(argv: list[str] | None = None) -> list[Pattern]:
     cli.check_triton_runs(device, "python -m mori_sglang.tools.bandwidth")
     patterns = measure(device, args.tokens, args.hidden, args.fan_out, args.iters)
     print(markdown(patterns))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(p) for p in patterns], f, indent=1)
+    write_rows(args.json, patterns)
     return patterns
 
 

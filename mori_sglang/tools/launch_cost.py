@@ -14,18 +14,17 @@ nothing about a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from mori_sglang import cli
 from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
-from mori_sglang.tools.measure import sync
+from mori_sglang.tools.measure import sync, write_rows
 
 WIDE_ARGUMENTS = 20  # beside the output pointer
 REPEATS = 5
@@ -120,9 +119,7 @@ def main(argv: list[str] | None = None) -> list[LaunchCost]:
     rows = measure(device, args.iters)
     print(f"host cost of one launch on {device} (median of {REPEATS} repeats of {args.iters} launches)\n")
     print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+    write_rows(args.json, rows)
     return rows
 
 

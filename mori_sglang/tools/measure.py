@@ -4,9 +4,11 @@ command runs on is chosen by ``mori_sglang.cli.resolve_device``.)"""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 
 import torch
 
@@ -154,3 +156,10 @@ def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, r
     if scales is not None and rows is not None:
         scales = scales[:rows]
     return formats.dequantize_dispatch(tokens, scales, dispatch, hidden).to(torch.bfloat16)
+
+
+def write_rows(path: str | None, rows: Sequence[object]) -> None:
+    """A command's ``--json``: its rows (dataclasses) as a JSON list; nothing when no path was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
