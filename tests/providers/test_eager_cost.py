@@ -3,8 +3,8 @@ launch per call (the dispatch send routes in its own launch; past ``fused_routin
 routing kernels run before it, with a count pass for a batch of several routing blocks), and, once a batch
 size has been seen, no torch
 operation at all in any call (no allocation, dtype conversion, contiguous copy, view or read of a
-device value), in both modes, for int32 and int64 ids. The benchmark's ``--eager`` flag times the same
-steps on a GPU.
+device value), in every mode and wire format, at hidden 256 and 2880, for int32 and int64 ids. The
+benchmark's ``--eager`` flag times the same steps on a GPU.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import random
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mori_sglang import wire_formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.kernels import transport
 from mori_sglang.kernels.geometry import KernelTuning
@@ -77,7 +79,12 @@ def kernel_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
     yield runs
 
 
-def _config(mode: Mode, provider: Provider = Provider.TRITON) -> EpConfig:
+def _config(
+    mode: Mode,
+    provider: Provider = Provider.TRITON,
+    dispatch: DispatchDtype = DispatchDtype.FP8,
+    combine: CombineDtype = CombineDtype.BF16,
+) -> EpConfig:
     return EpConfig(
         WORLD,
         0,
@@ -85,16 +92,16 @@ def _config(mode: Mode, provider: Provider = Provider.TRITON) -> EpConfig:
         EXPERTS,
         TOPK,
         max_tokens_per_rank=CAPACITY,
-        dispatch_dtype=DispatchDtype.FP8,
-        combine_dtype=CombineDtype.BF16,
+        dispatch_dtype=dispatch,
+        combine_dtype=combine,
         mode=mode,
         provider=provider,
     )
 
 
-def _inputs(n: int, gen: torch.Generator, ids_dtype: torch.dtype):
+def _inputs(n: int, gen: torch.Generator, ids_dtype: torch.dtype, hidden: int = HIDDEN):
     """One rank's batch: bf16 tokens, f32 weights, ids of ``ids_dtype`` (some dropped), random every call."""
-    x = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
     ids = torch.rand(n, EXPERTS, generator=gen).topk(TOPK, dim=1).indices
     ids = torch.where(torch.rand(n, TOPK, generator=gen) < 0.2, -1, ids).to(ids_dtype)
     return x, torch.rand(n, TOPK, generator=gen), ids
@@ -138,8 +145,8 @@ def _step(world: LoopbackWorld, batches, expert_outputs, record=None):
     return combined
 
 
-def _expert_outputs(gen: torch.Generator) -> list[torch.Tensor]:
-    return [torch.randn(CAPACITY * WORLD, HIDDEN, generator=gen).to(torch.bfloat16) for _ in range(WORLD)]
+def _expert_outputs(gen: torch.Generator, hidden: int = HIDDEN) -> list[torch.Tensor]:
+    return [torch.randn(CAPACITY * WORLD, hidden, generator=gen).to(torch.bfloat16) for _ in range(WORLD)]
 
 
 @pytest.mark.parametrize("fused_routing_max_tokens", [CAPACITY, BATCHES[0], 0])
@@ -190,3 +197,39 @@ def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
         assert [record.launches[("dispatch_send", r)] for r in range(WORLD)] == [send_launches] * WORLD
         for got, want in zip(combined, _step(reference, batches, ys), strict=True):
             assert torch.equal(got, want)
+
+
+# Every dispatch format and every combine format of ours, each pair in every mode.
+FORMAT_PAIRS = [
+    (DispatchDtype.BF16, CombineDtype.BF16),
+    (DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE),
+    (DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE_NATIVE),
+    (DispatchDtype.MXFP4, CombineDtype.FP8_DIRECT_CAST),
+]
+
+
+@pytest.mark.parametrize(("dispatch", "combine"), FORMAT_PAIRS, ids=lambda d: d.value)
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.value)
+@pytest.mark.parametrize("hidden", [HIDDEN, 2880])
+def test_every_format_and_mode_launches_once_per_call_and_runs_no_torch_op(
+    hidden: int, mode: Mode, dispatch: DispatchDtype, combine: CombineDtype, kernel_runs: Counter
+) -> None:
+    """The same counts for every wire format in both directions and every mode (bf16 tokens quantized
+    inside the send), at a hidden size of whole tiles and at gpt-oss's 2880, with the torch provider's
+    results."""
+    assert {c for _, c in FORMAT_PAIRS} == {
+        c for c in CombineDtype if wire_formats.COMBINE_BY_NAME[c.value].has_reference
+    }
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    world = LoopbackWorld(replace(_config(mode, Provider.TRITON, dispatch, combine), hidden=hidden))
+    reference = LoopbackWorld(replace(_config(mode, Provider.TORCH, dispatch, combine), hidden=hidden))
+    n = BATCHES[0]
+    _step(world, [_inputs(n, gen, torch.int64, hidden) for _ in range(WORLD)], _expert_outputs(gen, hidden))
+    batches = [_inputs(n, gen, torch.int64, hidden) for _ in range(WORLD)]
+    ys = _expert_outputs(gen, hidden)
+    record = CallRecorder(kernel_runs)
+    combined = _step(world, batches, ys, record)
+    assert record.launches == {(call, r): 1 for call in CALLS for r in range(WORLD)}
+    assert not any(record.ops.values()), {k: v for k, v in record.ops.items() if v}
+    for got, want in zip(combined, _step(reference, batches, ys), strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
