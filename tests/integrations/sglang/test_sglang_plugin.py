@@ -51,7 +51,7 @@ from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode  #
 from mori_sglang.env import EnvError  # noqa: E402
 from mori_sglang.integrations.sglang import plugin  # noqa: E402
 from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher, release_shared_ops  # noqa: E402
-from mori_sglang.op import InputError  # noqa: E402
+from mori_sglang.op import EpDispatchCombineOp, InputError  # noqa: E402
 from mori_sglang.providers.mori_provider import finalize_shmem  # noqa: E402
 from tests.helpers import generator, run_gloo  # noqa: E402
 
@@ -320,6 +320,34 @@ def test_combine_dtype_no_provider_here_offers_is_refused_when_the_op_is_built(
     d = make_dispatcher(tp)
     with pytest.raises(ConfigError, match="SGLANG_MORI_COMBINE_DTYPE"):
         d.set_quant_config({"weight_dtype": torch.bfloat16})
+
+
+def test_release_shared_ops_lets_the_ops_and_their_group_go(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch
+) -> None:
+    """Dispatchers share their ops (and the group each holds) until release_shared_ops(); after it, the
+    ops die with the dispatchers, and a dispatcher built afterwards builds anew."""
+    import gc
+
+    clean_env.setenv("SGLANG_MORI_BACKEND", "torch")
+
+    def live_ops() -> list[EpDispatchCombineOp]:
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, EpDispatchCombineOp)]
+
+    release_shared_ops()
+    before = {id(o) for o in live_ops()}
+    first, second = make_dispatcher(tp), make_dispatcher(tp)
+    for d in (first, second):
+        d.set_quant_config({"weight_dtype": torch.bfloat16})
+    built = [o for o in live_ops() if id(o) not in before]
+    assert built, "set_quant_config built no op"
+    del first, second
+    assert {id(o) for o in live_ops()} >= {id(o) for o in built}, "the shared ops went with their dispatchers"
+    ids = {id(o) for o in built}
+    del built
+    release_shared_ops()
+    assert not ids & {id(o) for o in live_ops()}, "release_shared_ops() left an op alive"
 
 
 # ---------------------------------------------------------------------------------------------
