@@ -84,10 +84,7 @@ def test_model_hidden_sizes_every_format_torch_provider(hidden: int, dispatch: D
         check_step(scn, inputs, run_step(scn, world.ops, inputs))
 
 
-TRITON_HIDDEN = MODEL_HIDDEN if ON_GPU else (2880,)
-
-
-@pytest.mark.parametrize("hidden", TRITON_HIDDEN)
+@pytest.mark.parametrize("hidden", MODEL_HIDDEN)
 @pytest.mark.parametrize("dispatch", list(DispatchDtype))
 def test_model_hidden_sizes_every_format_triton_provider(hidden: int, dispatch: DispatchDtype, seed: int) -> None:
     """The same on the Triton provider: every combined column written, the partial last block included
