@@ -13,17 +13,16 @@ import random
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mori_sglang import wire_formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.kernels import transport
 from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.loopback import LoopbackWorld
+from mori_sglang.providers.base import OUR_COMBINE_FORMATS
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="counts launches through Triton's interpreter (CPU); `bench --eager` on a GPU"
@@ -84,11 +83,12 @@ def _config(
     provider: Provider = Provider.TRITON,
     dispatch: DispatchDtype = DispatchDtype.FP8,
     combine: CombineDtype = CombineDtype.BF16,
+    hidden: int = HIDDEN,
 ) -> EpConfig:
     return EpConfig(
         WORLD,
         0,
-        HIDDEN,
+        hidden,
         EXPERTS,
         TOPK,
         max_tokens_per_rank=CAPACITY,
@@ -149,6 +149,18 @@ def _expert_outputs(gen: torch.Generator, hidden: int = HIDDEN) -> list[torch.Te
     return [torch.randn(CAPACITY * WORLD, hidden, generator=gen).to(torch.bfloat16) for _ in range(WORLD)]
 
 
+def _recorded_step(
+    world: LoopbackWorld, reference: LoopbackWorld, batches, expert_outputs, kernel_runs: Counter
+) -> CallRecorder:
+    """One step of ``world`` with every call recorded; the bound launches read this step's tensors, so
+    its results are the torch provider's (``reference``), bit for bit."""
+    record = CallRecorder(kernel_runs)
+    combined = _step(world, batches, expert_outputs, record)
+    for got, want in zip(combined, _step(reference, batches, expert_outputs), strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    return record
+
+
 @pytest.mark.parametrize("fused_routing_max_tokens", [CAPACITY, BATCHES[0], 0])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", [Mode.LOW_LATENCY, Mode.INTRANODE])
@@ -167,16 +179,11 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
         _step(world, [_inputs(n, gen, ids_dtype) for _ in range(WORLD)], _expert_outputs(gen))
     for n in (*BATCHES, BATCHES[0]):
         batches = [_inputs(n, gen, ids_dtype) for _ in range(WORLD)]
-        ys = _expert_outputs(gen)
-        record = CallRecorder(kernel_runs)
-        combined = _step(world, batches, ys, record)
+        record = _recorded_step(world, reference, batches, _expert_outputs(gen), kernel_runs)
         expected = _launches_per_call(n, fused_routing_max_tokens)
         assert record.launches == {(call, r): expected[call] for call in CALLS for r in range(WORLD)}, n
         assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
         assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
-        # The bound launches read this step's tensors: the same results as the torch provider.
-        for got, want in zip(combined, _step(reference, batches, ys), strict=True):
-            assert torch.equal(got, want)
 
 
 def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
@@ -191,12 +198,8 @@ def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
         if tuning is not None:
             world.set_kernel_tuning(tuning)
         batches = [_inputs(n, gen, torch.int32) for _ in range(WORLD)]
-        ys = _expert_outputs(gen)
-        record = CallRecorder(kernel_runs)
-        combined = _step(world, batches, ys, record)
+        record = _recorded_step(world, reference, batches, _expert_outputs(gen), kernel_runs)
         assert [record.launches[("dispatch_send", r)] for r in range(WORLD)] == [send_launches] * WORLD
-        for got, want in zip(combined, _step(reference, batches, ys), strict=True):
-            assert torch.equal(got, want)
 
 
 # Every dispatch format and every combine format of ours, each pair in every mode.
@@ -217,19 +220,13 @@ def test_every_format_and_mode_launches_once_per_call_and_runs_no_torch_op(
     """The same counts for every wire format in both directions and every mode (bf16 tokens quantized
     inside the send), at a hidden size of whole tiles and at gpt-oss's 2880, with the torch provider's
     results."""
-    assert {c for _, c in FORMAT_PAIRS} == {
-        c for c in CombineDtype if wire_formats.COMBINE_BY_NAME[c.value].has_reference
-    }
+    assert {d for d, _ in FORMAT_PAIRS} == set(DispatchDtype) and {c for _, c in FORMAT_PAIRS} == OUR_COMBINE_FORMATS
     gen = torch.Generator().manual_seed(random.randrange(2**31))
-    world = LoopbackWorld(replace(_config(mode, Provider.TRITON, dispatch, combine), hidden=hidden))
-    reference = LoopbackWorld(replace(_config(mode, Provider.TORCH, dispatch, combine), hidden=hidden))
+    world = LoopbackWorld(_config(mode, Provider.TRITON, dispatch, combine, hidden))
+    reference = LoopbackWorld(_config(mode, Provider.TORCH, dispatch, combine, hidden))
     n = BATCHES[0]
     _step(world, [_inputs(n, gen, torch.int64, hidden) for _ in range(WORLD)], _expert_outputs(gen, hidden))
     batches = [_inputs(n, gen, torch.int64, hidden) for _ in range(WORLD)]
-    ys = _expert_outputs(gen, hidden)
-    record = CallRecorder(kernel_runs)
-    combined = _step(world, batches, ys, record)
+    record = _recorded_step(world, reference, batches, _expert_outputs(gen, hidden), kernel_runs)
     assert record.launches == {(call, r): 1 for call in CALLS for r in range(WORLD)}
     assert not any(record.ops.values()), {k: v for k, v in record.ops.items() if v}
-    for got, want in zip(combined, _step(reference, batches, ys), strict=True):
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
