@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch
 from mori_sglang import cli
 from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
-from mori_sglang.tools.measure import sync, write_rows
+from mori_sglang.tools.measure import time_eager, write_rows
 
 WIDE_ARGUMENTS = 20  # beside the output pointer
 REPEATS = 5
@@ -40,26 +39,17 @@ class LaunchCost:
 
 
 def host_us_per_call(call: Callable[[], object], device: torch.device, iters: int) -> tuple[float, bool]:
-    """Median over repeats of the mean host µs of ``iters`` calls; on a GPU a sleep kernel queued ahead
-    outlasts them (the second value says whether it did every time)."""
-    for _ in range(3):
-        call()
-    sync(device)
-    means, busy = [], True
-    for _ in range(REPEATS):
-        marker = None
-        if device.type == "cuda":
-            torch.cuda._sleep(50_000_000)  # tens of ms on current GPUs, far past the launches
-            marker = torch.cuda.Event()
-            marker.record()
-        t0 = time.perf_counter()
+    """Median over repeats of the mean host µs of ``iters`` calls, timed as the eager benchmark times a
+    phase (``time_eager``: on a GPU a sleep kernel ahead outlasts them; the second value says whether it
+    did every time)."""
+    call()  # compile outside the timing
+
+    def calls() -> None:
         for _ in range(iters):
             call()
-        means.append((time.perf_counter() - t0) * 1e6 / iters)
-        if marker is not None:
-            busy = busy and not marker.query()
-        sync(device)
-    return statistics.median(means), busy
+
+    host, _device, busy = time_eager([calls], device, REPEATS)
+    return statistics.median(host[0]) * 1e6 / iters, busy
 
 
 def _paths(device: torch.device, wide: bool) -> dict[str, Callable[[], object]]:
