@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from mori_sglang import cli
 from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
 from mori_sglang.tools import launch_cost
 
@@ -42,8 +43,6 @@ def test_cli_prints_every_path_for_both_kernels(capsys: pytest.CaptureFixture[st
 
 def test_on_a_cpu_without_the_interpreter_the_cli_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from mori_sglang import cli
-
     monkeypatch.setattr(cli, "interpreting", lambda: False)
     with pytest.raises(cli.SetupError, match="TRITON_INTERPRET=1"):
         launch_cost.main(["--device", "cpu", "--iters", "1"])
