@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine (CPU torch, Triton's interpreter, stock SGLang and vLLM) and
 # runs the whole test suite. Suites are folders of tests/: each framework's integration tests run in a
-# venv of their own, next to the real package; everything else runs in .venv.
+# venv of their own, next to the real package, layered on .venv for torch and triton; everything else runs
+# in .venv. All three take about 4 GB of disk; pip keeps no cache of what it downloads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+echo "tests/run.sh: $(df -h --output=avail . | tail -1 | tr -d ' ') of disk free here; a fresh run needs about 4 GB"
 export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$(mktemp -d)}"
 
 python3 -m venv .venv
@@ -18,8 +20,8 @@ export MORI_WHEEL_DIR="${MORI_WHEEL_DIR:-$XDG_CACHE_HOME/mori-sglang/amd-mori}"
     echo "amd-mori 1.2.4 not downloaded: tests/providers/test_mori_api.py will be skipped" >&2
 .venv/bin/python -m pytest -q tests --ignore=tests/integrations
 
-bash .ci/install-sglang.sh .venv-sglang
+bash .ci/install-sglang.sh .venv-sglang .venv
 .venv-sglang/bin/python -m pytest -q tests/integrations/sglang
 
-bash .ci/install-vllm.sh .venv-vllm
+bash .ci/install-vllm.sh .venv-vllm .venv
 .venv-vllm/bin/python -m pytest -q tests/integrations/vllm
