@@ -89,6 +89,30 @@ def check_dispatch_dtypes(
         raise InputError(f"pre-quantized {config.dispatch_dtype.value} tokens need their scales")
 
 
+def check_tokens_the_op_quantizes(
+    config: EpConfig, layout: formats.DispatchRowLayout, x: torch.Tensor, scales: torch.Tensor | None
+) -> None:
+    """bf16 tokens of a quantized dispatch format are quantized by the op, which makes their scale rows
+    (the format's own): scales passed with them would be dropped unseen, and an op that carries scale
+    rows of another size has nothing to fill them with. Both are refused; pre-quantized tokens carry
+    any scale row of the op's scale_bytes."""
+    if x.dtype != torch.bfloat16 or config.dispatch_dtype is DispatchDtype.BF16:
+        return
+    fmt = config.dispatch_dtype.value
+    if scales is not None:
+        raise InputError(
+            f"bf16 tokens are quantized to {fmt} by the op, which makes their scale rows: pass scales=None, "
+            f"or pre-quantized {fmt} tokens with their scales"
+        )
+    natural = formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden)
+    if layout.scale_bytes != natural:
+        raise InputError(
+            f"bf16 tokens are quantized to {fmt} by the op, which makes {natural} B scale rows, but the op "
+            f"carries scale_bytes={layout.scale_bytes}: pass pre-quantized {fmt} tokens with their "
+            f"{layout.scale_bytes} B scale rows, or build the op with scale_bytes=None"
+        )
+
+
 def check_expert_ids_on_host(config: EpConfig, ids: torch.Tensor) -> None:
     """No id past the last expert (negative ids are dropped slots). Reads the ids on the host: only for
     providers that do not check them on the device."""

@@ -123,15 +123,21 @@ class EpConfig:
                 f"max_tokens_per_rank={self.max_tokens_per_rank} (SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK, "
                 f"vLLM's --max-num-batched-tokens) must be in [1, {env.MAX_TOKENS_PER_RANK}]"
             )
-        if not 0 < self.peer_timeout_s < math.inf:
+        if not 0 < self.peer_timeout_s <= env.MAX_PEER_TIMEOUT_S:
             raise ConfigError(
-                f"peer_timeout_s={self.peer_timeout_s} (SGLANG_MORI_PEER_TIMEOUT_S) must be a finite number of "
-                "seconds > 0"
+                f"peer_timeout_s={self.peer_timeout_s} (SGLANG_MORI_PEER_TIMEOUT_S) must be a number of seconds "
+                f"in (0, {env.MAX_PEER_TIMEOUT_S}]"
             )
         if self.hidden < 1:
             raise ConfigError(f"hidden={self.hidden} must be >= 1")
         if self.fp8_dtype is not None and self.fp8_dtype not in FP8_TYPES.values():
             raise ConfigError(f"fp8_dtype={self.fp8_dtype} is not accepted; use torch.float8_e4m3fn or e4m3fnuz")
+        if self.scale_bytes is not None and (self.scale_bytes < 0 or self.scale_bytes % 4):
+            # Every transport moves a scale row in 4-byte words (docs/api.md, "Inputs").
+            raise ConfigError(
+                f"scale_bytes={self.scale_bytes} must be a whole number of 4-byte words (0, 4, 8, ...), or None "
+                "for the dispatch format's own scale row"
+            )
         if self.combine_block < 1:
             raise ConfigError(f"combine_block={self.combine_block} must be >= 1")
 

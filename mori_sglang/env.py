@@ -22,6 +22,11 @@ BOOL_TRUE = ("1", "true", "yes", "on")
 MAX_TOKENS_PER_RANK = 1 << 20
 DEFAULT_MAX_TOKENS_PER_RANK = 4096  # buffer capacity per rank where neither argument nor variable sets it
 DEFAULT_PEER_TIMEOUT_S = 120
+# The longest peer timeout accepted (about 31 years: "never" for any run). The Triton kernels wait until
+# their clock plus the timeout in nanoseconds, an int64 (NVIDIA's clock counts from 1970, ~1.8e18 ns):
+# a timeout past ~7e9 s wrapped that deadline negative (every receive gave up at once) and one past
+# ~9.2e9 s did not fit a kernel argument at all.
+MAX_PEER_TIMEOUT_S = 10**9
 BOOL_FALSE = ("0", "false", "no", "off", "")
 
 
@@ -39,7 +44,7 @@ class EnvVar:
     choices: tuple[str, ...] | None = None
     kind: str = "choice"  # choice | bool | int | seconds
     minimum: int = 1  # the smallest integer accepted (kind int)
-    maximum: int | None = None  # the largest integer accepted (kind int), None: no bound
+    maximum: int | None = None  # the largest number accepted (kinds int and seconds), None: no bound
 
     def accepted(self) -> str:
         if self.kind == "bool":
@@ -49,7 +54,7 @@ class EnvVar:
                 return f"integer in [{self.minimum}, {self.maximum}]"
             return "integer > 0" if self.minimum == 1 else f"integer >= {self.minimum}"
         if self.kind == "seconds":
-            return "number of seconds > 0"
+            return "number of seconds > 0" if self.maximum is None else f"number of seconds in (0, {self.maximum}]"
         return " \\| ".join(self.choices or ())
 
 
@@ -169,6 +174,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "a CUDA graph only synchronize() bounds it); native MoRI: only synchronize(), MoRI's kernels have no "
         "timeout (docs/api.md).",
         kind="seconds",
+        maximum=MAX_PEER_TIMEOUT_S,
     ),
     EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
@@ -235,16 +241,18 @@ def get_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def get_seconds(name: str, environ: Mapping[str, str] | None = None) -> float:
-    """A positive, finite number of seconds."""
+    """A positive, finite number of seconds, at most the variable's maximum."""
     var = ENV_BY_NAME[name]
     value = _raw(name, environ)
     value = var.default if value is None or value == "" else value
     try:
         seconds = float(value)
     except ValueError:
-        raise EnvError(f"{name}={value!r} is not a number; use a number of seconds > 0") from None
+        raise EnvError(f"{name}={value!r} is not a number; use a {var.accepted()}") from None
     if not 0 < seconds < float("inf"):
-        raise EnvError(f"{name}={value!r} must be a finite number of seconds > 0")
+        raise EnvError(f"{name}={value!r} must be a finite {var.accepted()}")
+    if var.maximum is not None and seconds > var.maximum:
+        raise EnvError(f"{name}={value!r} exceeds {var.maximum}, the largest value accepted")
     return seconds
 
 

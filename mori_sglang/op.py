@@ -21,6 +21,7 @@ from mori_sglang.checks import (
     check_expert_ids_on_host,
     check_expert_outputs,
     check_outputs_cover_received,
+    check_tokens_the_op_quantizes,
 )
 from mori_sglang.config import ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.device_wait import wait_for_device
@@ -67,12 +68,12 @@ class EpDispatchCombineOp:
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
         setup = ProviderSetup(config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback)
         self.provider = build_provider(self.provider_kind, setup)
-        # Whether bf16 tokens are quantized by the provider's send (into the format's own scale row
-        # only), decided once: the per-step host path stays short.
+        # Whether bf16 tokens are quantized by the provider's send, decided once: the per-step host path
+        # stays short. (The op quantizes bf16 tokens only into the format's own scale row, without scales
+        # from the caller: check_tokens_the_op_quantizes.)
         self._quantize_in_send = (
             config.dispatch_dtype is not DispatchDtype.BF16
             and config.dispatch_dtype in self.provider.capabilities.fused_quantization
-            and self.scale_bytes == formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden)
         )
 
     # -- properties callers size their buffers with ---------------------------------------------
@@ -97,6 +98,7 @@ class EpDispatchCombineOp:
         check_dispatch_shapes(self.config, self.layout, x, weights, scales, ids)
         check_capacity(self.config, x.shape[0])
         check_dispatch_dtypes(self.config, self.layout, self.payload_dtype, x, scales, ids)
+        check_tokens_the_op_quantizes(self.config, self.layout, x, scales)
         check_devices(self.device, tokens=x, topk_weights=weights, topk_ids=ids)
         if self.device.type not in self.provider.capabilities.id_checks_on_device:
             check_expert_ids_on_host(self.config, ids)
@@ -115,7 +117,7 @@ class EpDispatchCombineOp:
         self._dispatches += 1
         payload = x
         if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
-            if self._quantize_in_send and scales is None:
+            if self._quantize_in_send:
                 self.provider.dispatch_send(x, None, topk_weights, topk_ids, self.layout, quantize=True)
                 return
             payload, scales = formats.quantize_dispatch(x, self.config.dispatch_dtype, self.fp8_dtype)

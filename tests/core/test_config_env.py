@@ -294,6 +294,9 @@ def test_bad_enum_field_lists_accepted_values(field: str, value: str, accepted: 
         ({"hidden": 0}, "hidden"),
         ({"fp8_dtype": torch.float16}, "fp8_dtype"),
         ({"combine_block": 0}, "combine_block"),
+        ({"scale_bytes": 6}, "scale_bytes=6 must be a whole number of 4-byte words"),
+        ({"scale_bytes": -4}, "scale_bytes=-4"),
+        ({"peer_timeout_s": 2e9}, r"SGLANG_MORI_PEER_TIMEOUT_S\) must be a number of seconds in \(0, 1000000000\]"),
     ],
 )
 def test_out_of_range_config_names_the_knob(overrides: dict[str, object], knob: str) -> None:

@@ -600,3 +600,54 @@ def test_huge_buffer_capacity_is_refused_before_allocating() -> None:
     with pytest.raises(ConfigError, match=rf"max_tokens_per_rank=99999999999 \({name}.*\[1, 1048576\]"):
         EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=99999999999)
     assert EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=env.MAX_TOKENS_PER_RANK).max_tokens_per_rank > 0
+
+
+@pytest.mark.parametrize("dispatch", [DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4])
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_bf16_tokens_the_op_quantizes_take_no_scale_rows_of_their_own(provider: str, dispatch: DispatchDtype) -> None:
+    """The op quantizes bf16 tokens into the format's own scale row: scales passed with them (once
+    dropped unseen) and an op built for scale rows of another size (once a reshape error) are refused,
+    naming what to pass instead; pre-quantized tokens still carry the wider row."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, n = 256, 2
+    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
+    weights, ids = torch.rand(n, 2, generator=gen), torch.randint(0, 4, (n, 2), generator=gen)
+    natural = formats.dispatch_scale_bytes(dispatch, hidden)
+    scales = torch.randint(0, 256, (n, natural), dtype=torch.uint8, generator=gen)
+    cfg = EpConfig(1, 0, hidden, 4, 2, max_tokens_per_rank=n, dispatch_dtype=dispatch, provider=provider)
+    op = LoopbackWorld(cfg, DEVICE).ops[0]
+    with pytest.raises(InputError, match=rf"bf16 tokens are quantized to {dispatch.value} by the op.*scales=None"):
+        op.dispatch_send(x.to(DEVICE), weights.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE))
+
+    wide = EpConfig(1, 0, hidden, 4, 2, max_tokens_per_rank=n, dispatch_dtype=dispatch, provider=provider,
+                    scale_bytes=natural + 16)  # fmt: skip
+    op = LoopbackWorld(wide, DEVICE).ops[0]
+    with pytest.raises(
+        InputError, match=rf"makes {natural} B scale rows.*scale_bytes={natural + 16}.*scale_bytes=None"
+    ):
+        op.dispatch_send(x.to(DEVICE), weights.to(DEVICE), None, ids.to(DEVICE))
+    payload, own = formats.quantize_dispatch(x, dispatch, FP8)
+    tag = torch.randint(0, 256, (n, 16), dtype=torch.uint8, generator=gen)
+    row = torch.cat([own.contiguous().view(torch.uint8).view(n, natural), tag], dim=1)
+    op.dispatch_send(payload.to(DEVICE), weights.to(DEVICE), row.to(DEVICE), ids.to(DEVICE))
+    out = op.dispatch_recv()
+    assert out.num_recv_host() == n
+    assert torch.equal(out.scales[:n].cpu(), row)
+    assert torch.equal(out.tokens[:n].cpu().view(torch.uint8), payload.contiguous().view(torch.uint8))
+
+
+def test_peer_timeouts_past_what_the_kernels_deadline_holds_are_refused() -> None:
+    """The Triton receive's deadline is a clock in ns plus the timeout, an int64 on the device: a timeout
+    of 1e11 s once failed in the launch (OverflowError) and one of 1e10 s wrapped the deadline on a
+    GPU (every receive gave up at once). The bound is named; the largest accepted value runs."""
+    name = "SGLANG_MORI_PEER_TIMEOUT_S"
+    for value in ("1e10", "99999999999", "1e300"):
+        with pytest.raises(EnvError, match=rf"{name}='{value}' exceeds 1000000000"):
+            EpConfig.from_env(world_size=1, rank=0, hidden=128, num_experts=1, topk=1, environ={name: value})
+    for seconds in (1e10, math.nan):
+        with pytest.raises(ConfigError, match=rf"peer_timeout_s=.* \({name}\) .* \(0, 1000000000\]"):
+            EpConfig(1, 0, 128, 1, 1, peer_timeout_s=seconds)
+    scn = Scenario(world=2, tokens=(2, 1), hidden=64, topk=2, mode=Mode.LOW_LATENCY)
+    world = _world(scn, "triton", peer_timeout_s=float(env.MAX_PEER_TIMEOUT_S))
+    inputs = world_inputs(scn)
+    check_step(scn, inputs, run_step(scn, world.ops, inputs))
