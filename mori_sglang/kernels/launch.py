@@ -6,13 +6,14 @@ data movement. A ``BoundLaunch`` fixes a kernel's grid, constexprs, launch optio
 that do not change from step to step (the op's own buffers, as addresses) when it is made. Its first
 launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
 launches call that compiled kernel's launcher directly, as the JIT itself does, with the arguments
-that change per call (the caller's tensors) put in their places. In Triton's interpreter every launch
+that change per call (the caller's tensors) put in their places, and without the launch hooks and their
+metadata where no hook is set (the JIT passes them always). In Triton's interpreter every launch
 goes through the JIT.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from triton import knobs
@@ -53,7 +54,8 @@ class BoundLaunch:
         # Every parameter in order, as the compiled kernel's launcher takes them: fixed tensors as
         # addresses, constexprs as their values (the launcher ignores them), per-launch ones filled in.
         self._arguments = [_raw(args[name]) if name in args else options.get(name) for name in names]
-        self._compiled: dict[tuple, object] = {}
+        # Per specialization: the compiled kernel, its launcher, function handle and packed metadata.
+        self._compiled: dict[tuple, tuple] = {}
         # Straight to the compiled kernel on a GPU; through the JIT in the interpreter (CPU tensors).
         self._stream = driver.active.get_current_stream if device.type == "cuda" else None
         self._device_index = device.index
@@ -82,21 +84,28 @@ class BoundLaunch:
         compiled = self._compiled.get(key)
         if compiled is None:
             kwargs = dict(zip(self._variable, values, strict=True))
-            self._compiled[key] = self.kernel[self.grid](**self._jit_kwargs, **kwargs)
+            compiled = self.kernel[self.grid](**self._jit_kwargs, **kwargs)
+            self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata)
             return
+        compiled, run, function, packed_metadata = compiled
         stream = self._stream(self._device_index)
-        enter_hook = knobs.runtime.launch_enter_hook
-        metadata = None if enter_hook is None else compiled.launch_metadata(self.grid, stream, *arguments)
-        compiled.run(
-            *self.grid,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            metadata,
-            enter_hook,
-            knobs.runtime.launch_exit_hook,
-            *arguments,
-        )
+        enter_hook = active_hook(knobs.runtime.launch_enter_hook)
+        exit_hook = active_hook(knobs.runtime.launch_exit_hook)
+        metadata = None
+        if enter_hook is not None or exit_hook is not None:
+            metadata = compiled.launch_metadata(self.grid, stream, *arguments)
+        run(*self.grid, stream, function, packed_metadata, metadata, enter_hook, exit_hook, *arguments)
+
+
+def active_hook(hook: Callable | None) -> Callable | None:
+    """A launch hook as the compiled kernel's launcher takes it: None where nothing would run. Triton
+    3.6 and 3.7 keep each hook as a ``HookChain``, empty unless a profiler adds to it; handed one, the
+    launcher calls it around every launch, and the launch metadata it is given is built on the host
+    first, all for nothing (µs per launch). With None the launcher skips both; an older Triton's hook
+    (a plain callable or None) passes as it is."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
 
 
 def _raw(value: object) -> object:
