@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -59,6 +60,19 @@ DISPATCH_ENV_VALUES = {f.name: DispatchDtype(f.name) for f in wire_formats.DISPA
 FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 
 
+# The fields that count something (sizes, ranks, bytes), and those of them where None picks the default.
+_INTEGER_FIELDS = ("world_size", "rank", "hidden", "num_experts", "topk", "max_tokens_per_rank")
+_OPTIONAL_INTEGER_FIELDS = ("scale_bytes", "combine_block")
+
+
+def _integer(value: object, knob: str) -> int:
+    """``value`` as an int: an int or numpy integer, never a float, a string or a bool. A float size
+    (``4096.0``, a division's result) once passed the range checks and failed deep inside a dispatch."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise ConfigError(f"{knob}={value!r} must be an integer, got {type(value).__name__}")
+
+
 def _enum_value(enum_cls: type[enum.Enum], value: object, knob: str) -> enum.Enum:
     if isinstance(value, enum_cls):
         return value
@@ -103,6 +117,14 @@ class EpConfig:
             ("provider", Provider),
         ):
             object.__setattr__(self, knob, _enum_value(enum_cls, getattr(self, knob), knob))
+        for knob in _INTEGER_FIELDS + _OPTIONAL_INTEGER_FIELDS:
+            value = getattr(self, knob)
+            if value is not None or knob in _INTEGER_FIELDS:
+                object.__setattr__(self, knob, _integer(value, knob))
+        if isinstance(self.peer_timeout_s, bool) or not isinstance(self.peer_timeout_s, numbers.Real):
+            raise ConfigError(
+                f"peer_timeout_s={self.peer_timeout_s!r} (SGLANG_MORI_PEER_TIMEOUT_S) must be a number of seconds"
+            )
         if self.combine_block is None:
             object.__setattr__(self, "combine_block", default_combine_block(self.combine_dtype, self.hidden))
         self._check_ranges()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -302,6 +303,30 @@ def test_bad_enum_field_lists_accepted_values(field: str, value: str, accepted: 
 def test_out_of_range_config_names_the_knob(overrides: dict[str, object], knob: str) -> None:
     with pytest.raises(ConfigError, match=knob):
         EpConfig(**{**SHAPE, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens_per_rank", 4096 / 2),  # a division's result: once a scatter dtype error at dispatch
+        ("hidden", 7168.0),
+        ("topk", "8"),
+        ("num_experts", True),
+        ("rank", None),
+        ("scale_bytes", 8.0),  # once "the op carries 8.0 B scale rows" at every dispatch
+        ("combine_block", 64.0),
+    ],
+)
+def test_non_integer_sizes_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"{field}={value!r} must be an integer, got {type(value).__name__}"):
+        EpConfig(**{**SHAPE, field: value})  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_sizes_and_a_timeout_must_be_a_number() -> None:
+    cfg = EpConfig(**{**SHAPE, "hidden": np.int64(7168), "scale_bytes": np.int32(8)})
+    assert type(cfg.hidden) is int and type(cfg.scale_bytes) is int and cfg.hidden == 7168
+    with pytest.raises(ConfigError, match=r"peer_timeout_s='5' \(SGLANG_MORI_PEER_TIMEOUT_S\) must be a number"):
+        EpConfig(**{**SHAPE, "peer_timeout_s": "5"})  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
