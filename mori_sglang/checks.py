@@ -85,7 +85,9 @@ def check_dispatch_dtypes(
         raise InputError(
             f"scale rows must be {layout.scale_bytes} B (the op's scale_bytes), got {formats.row_bytes(scales)} B"
         )
-    if x.dtype != torch.bfloat16 and layout.scale_bytes and scales is None:
+    if wire_tokens and layout.scale_bytes and scales is None:
+        if x.dtype == torch.bfloat16:
+            raise InputError(f"the op carries {layout.scale_bytes} B scale rows; pass scales for every token")
         raise InputError(f"pre-quantized {config.dispatch_dtype.value} tokens need their scales")
 
 

@@ -68,6 +68,8 @@ class EpDispatchCombineOp:
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
         setup = ProviderSetup(config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback)
         self.provider = build_provider(self.provider_kind, setup)
+        # A send not yet received, per kind ("dispatch", "combine"): a second send would overwrite it.
+        self._in_flight = {"dispatch": False, "combine": False}
         # Whether bf16 tokens are quantized by the provider's send, decided once: the per-step host path
         # stays short. (The op quantizes bf16 tokens only into the format's own scale row, without scales
         # from the caller: check_tokens_the_op_quantizes.)
@@ -103,6 +105,16 @@ class EpDispatchCombineOp:
         if self.device.type not in self.provider.capabilities.id_checks_on_device:
             check_expert_ids_on_host(self.config, ids)
 
+    def _start_send(self, kind: str) -> None:
+        """Refuse a send while this op's previous send of the same kind is not received: the provider
+        keeps one send of each kind, so the new batch would replace the old one unseen (its tokens lost,
+        its receive returning the new batch)."""
+        if self._in_flight[kind]:
+            raise RuntimeError(
+                f"{kind}_send called again before {kind}_recv received the previous {kind}_send: receive each "
+                "send once, in order (give overlapping batches an op each)"
+            )
+
     # -- dispatch -------------------------------------------------------------------------------
 
     def dispatch_send(
@@ -113,8 +125,16 @@ class EpDispatchCombineOp:
         topk_ids: torch.Tensor,
     ) -> None:
         """Start sending each token to the distinct ranks among its top-k experts."""
+        self._start_send("dispatch")
         self._check_dispatch(x, topk_weights, scales, topk_ids)
         self._dispatches += 1
+        self._send_dispatch(x, topk_weights, scales, topk_ids)
+        self._in_flight["dispatch"] = True
+
+    def _send_dispatch(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, scales: torch.Tensor | None, topk_ids: torch.Tensor
+    ) -> None:
+        """Hand checked inputs to the provider, quantizing bf16 tokens where its send does not."""
         payload = x
         if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
             if self._quantize_in_send:
@@ -122,14 +142,13 @@ class EpDispatchCombineOp:
                 return
             payload, scales = formats.quantize_dispatch(x, self.config.dispatch_dtype, self.fp8_dtype)
         scale_rows = None
-        if self.scale_bytes:
-            if scales is None:
-                raise InputError(f"the op carries {self.scale_bytes} B scale rows; pass scales for every token")
+        if scales is not None and self.scale_bytes:  # the checks ensured scales wherever scale_bytes
             scale_rows = scales.contiguous().view(torch.uint8).view(x.shape[0], self.scale_bytes)
         self.provider.dispatch_send(payload, scale_rows, topk_weights, topk_ids, self.layout)
 
     def dispatch_recv(self) -> DispatchOutput:
         """Finish the dispatch started by ``dispatch_send``."""
+        self._in_flight["dispatch"] = False  # received (or given up on) by the provider's receive
         out = self.provider.dispatch_recv(self.layout, self.payload_dtype)
         out.handle.issuer, out.handle.dispatch_number = self.ident, self._dispatches
         out.wait_for_device = self._wait_for_device
@@ -165,11 +184,14 @@ class EpDispatchCombineOp:
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         """Start returning expert outputs (weights already applied) to their source ranks."""
+        self._start_send("combine")
         self._check_combine(y, handle)
         self.provider.combine_send(y, handle)
+        self._in_flight["combine"] = True
 
     def combine_recv(self) -> torch.Tensor:
         """Per original token, the f32 sum over its destination ranks, as bf16 ``[num_tokens, hidden]``."""
+        self._in_flight["combine"] = False
         return self.provider.combine_recv()
 
     def _wait_for_device(self) -> None:

@@ -24,8 +24,8 @@ from mori_sglang.exchange import DistExchange
 from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
-from mori_sglang.types import InputError, PeerTimeoutError
-from tests.helpers import Scenario, check_step, run_gloo, run_step, world_inputs
+from mori_sglang.types import CombineHandle, DispatchOutput, InputError, PeerTimeoutError
+from tests.helpers import RankInputs, Scenario, check_step, run_gloo, run_step, world_inputs
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -367,6 +367,69 @@ def test_a_combine_with_another_ops_handle_is_refused(provider: str) -> None:
         other.ops[0].combine_send(_identity(outs)[0], outs[0].handle)
     with pytest.raises(InputError, match="another op's dispatch"):
         world.ops[1].combine_send(_identity(outs)[0], outs[0].handle)  # rank 0's handle on rank 1
+
+
+class _ResendingOp:
+    """Rank 0's op, which tries every send a second time before its receive: with other tokens, and
+    with expert outputs of NaN. Every other call goes to the op."""
+
+    def __init__(self, op: EpDispatchCombineOp, other: RankInputs) -> None:
+        self.op, self.other = op, other
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.op, name)
+
+    def dispatch_send(self, *inputs: object) -> None:
+        self.op.dispatch_send(*inputs)
+        other = self.other.to(self.op.device)
+        with pytest.raises(RuntimeError, match="dispatch_send called again before dispatch_recv received"):
+            self.op.dispatch_send(other.payload, other.weights, other.scales, other.ids)
+
+    def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        self.op.combine_send(y, handle)
+        with pytest.raises(RuntimeError, match="combine_send called again before combine_recv received"):
+            self.op.combine_send(torch.full_like(y, math.nan), handle)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_a_second_send_before_its_receive_is_refused(provider: str, mode: Mode) -> None:
+    """A provider keeps one send of each kind: a second dispatch_send (or combine_send) before the
+    receive once replaced the first unseen, its receive returning the second batch. It is refused, and
+    the first batch arrives and combines intact."""
+    scn = Scenario(world=2, tokens=(3, 2), hidden=64, topk=4, mode=mode, expert="rank_scaled", seed=11)
+    world = _world(scn, provider)
+    other = world_inputs(replace(scn, seed=12))[0]
+    inputs = world_inputs(scn)
+    check_step(scn, inputs, run_step(scn, [_ResendingOp(world.ops[0], other), world.ops[1]], inputs))
+
+
+class _RefusedBetweenOp:
+    """Rank 0's op, which tries a dispatch without its scale rows between its receive and its combine."""
+
+    def __init__(self, op: EpDispatchCombineOp, inputs: RankInputs) -> None:
+        self.op, self.inputs = op, inputs
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.op, name)
+
+    def dispatch_recv(self) -> DispatchOutput:
+        out = self.op.dispatch_recv()
+        inp = self.inputs.to(self.op.device)
+        with pytest.raises(InputError, match=r"the op carries 4 B scale rows; pass scales"):
+            self.op.dispatch_send(inp.payload, inp.weights, None, inp.ids)
+        return out
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_a_refused_dispatch_leaves_the_last_handle_valid(provider: str) -> None:
+    """A dispatch_send refused by its checks sends nothing and reuses no buffer: the previous dispatch
+    still combines (a refusal for missing scale rows once counted as a dispatch, so the Triton provider
+    refused the handle as reused)."""
+    scn = Scenario(world=2, tokens=(3, 2), hidden=64, topk=4, mode=Mode.LOW_LATENCY, seed=13)
+    world = _world(scn, provider)
+    inputs = world_inputs(scn)
+    check_step(scn, inputs, run_step(scn, [_RefusedBetweenOp(world.ops[0], inputs[0]), world.ops[1]], inputs))
 
 
 @pytest.mark.parametrize("rows", [0, 1])
