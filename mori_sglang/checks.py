@@ -48,10 +48,11 @@ def check_capacity(config: EpConfig, num_tokens: int) -> None:
         )
 
 
-def check_devices(device: torch.device, **tensors: torch.Tensor) -> None:
-    """Every input on the op's device."""
+def check_devices(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    """Every input on the op's device (None: an input not passed). A kernel handed a tensor of another
+    device reads an address that is not its memory."""
     for name, t in tensors.items():
-        if t.device != device:
+        if t is not None and t.device != device:
             raise InputError(f"{name} is on {t.device}, the op runs on {device}")
 
 

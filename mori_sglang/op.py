@@ -101,7 +101,7 @@ class EpDispatchCombineOp:
         check_capacity(self.config, x.shape[0])
         check_dispatch_dtypes(self.config, self.layout, self.payload_dtype, x, scales, ids)
         check_tokens_the_op_quantizes(self.config, self.layout, x, scales)
-        check_devices(self.device, tokens=x, topk_weights=weights, topk_ids=ids)
+        check_devices(self.device, tokens=x, topk_weights=weights, topk_ids=ids, scales=scales)
         if self.device.type not in self.provider.capabilities.id_checks_on_device:
             check_expert_ids_on_host(self.config, ids)
 
@@ -170,6 +170,7 @@ class EpDispatchCombineOp:
 
     def _check_combine(self, y: torch.Tensor, handle: CombineHandle) -> None:
         check_expert_outputs(self.config, y)
+        check_devices(self.device, expert_outputs=y)
         if handle.issuer != self.ident:
             raise InputError(
                 "the combine handle comes from another op's dispatch: pass the handle of this op's dispatch"

@@ -244,7 +244,8 @@ class TritonProvider(EpProvider):
         """Send each token's row to its destinations; ``quantize``: ``payload`` is bf16, quantize it
         to the dispatch dtype on the way, once per token whatever the number of destinations. The
         kernels read the tensors as they are (int32 or int64 ids, f32 or 16-bit weights, tokens of any
-        dtype as words); only a tensor that is not contiguous is copied."""
+        dtype as words); only a tensor that is not contiguous, or tokens or scale rows that do not start
+        on a 4-byte word, are copied."""
         self._ensure_peers()
         num_tokens = payload.shape[0]
         with_scales = scales is not None
@@ -262,9 +263,9 @@ class TritonProvider(EpProvider):
         if route is not None:
             route(ids)
         if with_scales:
-            send(_contiguous(payload), _contiguous(weights), ids, _contiguous(scales))
+            send(_word_aligned(payload), _contiguous(weights), ids, _word_aligned(scales))
         else:
-            send(_contiguous(payload), _contiguous(weights), ids)
+            send(_word_aligned(payload), _contiguous(weights), ids)
         self._sent = num_tokens
 
     def _dispatch_launches(
@@ -585,6 +586,16 @@ class TritonProvider(EpProvider):
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t``, copied only where it is not contiguous (``Tensor.contiguous`` costs a dispatch even then)."""
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _word_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and starting on a 4-byte word, as the send kernel reads tokens and scale rows (as
+    words, whatever their dtype). A contiguous view that starts at an odd element (``flat[1:].view(n,
+    h)``) is copied: a GPU faults on a word load from an address that is not a multiple of 4, and
+    ``Tensor.contiguous`` returns such a view as it is."""
+    if t.is_contiguous() and t.data_ptr() % 4 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 # The first CUDA whose graphs keep programmatic launch edges (the ops are captured in CUDA graphs).

@@ -714,3 +714,63 @@ def test_peer_timeouts_past_what_the_kernels_deadline_holds_are_refused() -> Non
     world = _world(scn, "triton", peer_timeout_s=float(env.MAX_PEER_TIMEOUT_S))
     inputs = world_inputs(scn)
     check_step(scn, inputs, run_step(scn, world.ops, inputs))
+
+
+OTHER_DEVICE = torch.device("cpu") if ON_GPU else torch.device("meta")
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_scales_and_expert_outputs_on_another_device_are_refused(provider: str) -> None:
+    """Every tensor a call takes is checked against the op's device (scales and expert outputs once
+    were not: a kernel would read another device's address, the torch provider failed inside torch)."""
+    scn = Scenario(world=2, tokens=(2, 2), hidden=64, topk=2, dispatch=DispatchDtype.FP8, seed=5)
+    world = _world(scn, provider)
+    inputs = [inp.to(DEVICE) for inp in world_inputs(scn)]
+    inp = inputs[0]
+    with pytest.raises(InputError, match=rf"scales is on {OTHER_DEVICE.type}.*, the op runs on {DEVICE.type}"):
+        world.ops[0].dispatch_send(inp.payload, inp.weights, inp.scales.to(OTHER_DEVICE), inp.ids)
+    for op, i in zip(world.ops, inputs, strict=True):
+        op.dispatch_send(i.payload, i.weights, i.scales, i.ids)
+    outs = [op.dispatch_recv() for op in world.ops]
+    y = torch.ones(scn.config().max_recv_tokens, scn.hidden, device=OTHER_DEVICE)
+    with pytest.raises(InputError, match=rf"expert_outputs is on {OTHER_DEVICE.type}.*, the op runs on {DEVICE.type}"):
+        world.ops[0].combine_send(y, outs[0].handle)
+
+
+def _starting_mid_word(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` (1- or 2-byte elements) that starts one element into its storage."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 4
+    return view
+
+
+@pytest.mark.parametrize("dispatch", list(DispatchDtype))
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_tokens_and_scale_rows_that_start_mid_word(
+    provider: str, dispatch: DispatchDtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contiguous views that start at an odd element (tokens, and scale rows as bytes) travel bit for
+    bit; the Triton send, which reads both as 4-byte words, is handed them on a word boundary (a GPU
+    faults on a misaligned word load; the interpreter does not, so the pointers are checked)."""
+    from mori_sglang.kernels import launch, transport
+
+    pointers: list[int] = []
+    bound_call = launch.BoundLaunch.__call__
+
+    def recording(self: launch.BoundLaunch, *values: object) -> None:
+        if self.kernel is transport.dispatch_send_kernel:
+            pointers.extend(v.data_ptr() for v in values if isinstance(v, torch.Tensor))
+        bound_call(self, *values)
+
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", recording)
+    scn = Scenario(world=2, tokens=(3, 2), hidden=64, topk=4, dispatch=dispatch, expert="rank_scaled", seed=17)
+    inputs = world_inputs(scn)
+    shifted = [
+        replace(i, payload=_starting_mid_word(i.payload), scales=_starting_mid_word(i.scales.view(torch.uint8)))
+        for i in (inp.to(DEVICE) for inp in inputs)
+    ]
+    check_step(scn, inputs, run_step(scn, _world(scn, provider).ops, shifted))
+    if provider == "triton":
+        assert pointers and all(address % 4 == 0 for address in pointers)
