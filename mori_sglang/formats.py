@@ -127,6 +127,16 @@ def scale_stride_bytes(scale_bytes: int) -> int:
     return math.ceil(scale_bytes / SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in dense row-major memory, copied only where it is not, so that a dtype view of it works.
+    ``Tensor.contiguous`` is not enough: it keeps the strides of a tensor it counts as contiguous whose
+    last stride is not 1 (a column-major buffer sliced to no rows, a ``[N, 1]`` column of a wider one),
+    and a view as a dtype of another size refuses those."""
+    if t.is_contiguous() and (t.dim() == 0 or t.stride(-1) == 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def row_bytes(t: torch.Tensor) -> int:
     """Bytes of one row of a 2-D tensor."""
     return t.shape[1] * t.element_size()
@@ -165,7 +175,7 @@ def quantize_combine(
     """Expert outputs ``[R, hidden]`` -> wire rows ``[R, combine_row_bytes]`` as uint8."""
     rows, hidden = y.shape
     if dtype is CombineDtype.BF16:
-        return y.to(torch.bfloat16).contiguous().view(torch.uint8)
+        return dense(y.to(torch.bfloat16)).view(torch.uint8)
     if dtype is CombineDtype.FP8_DIRECT_CAST:
         return saturating_fp8_cast(y, fp8_dtype).view(torch.uint8)
     row_bytes = combine_row_bytes(dtype, hidden, block)
@@ -353,12 +363,12 @@ def dequantize_dispatch(
     if dtype is DispatchDtype.FP8:
         values = _blocked(payload.float(), group)
         return _unblocked(values * _scale_columns(scales.float(), n, groups)[:, :, None], hidden)
-    codes = _scale_columns(scales.contiguous().view(torch.uint8), n, groups)
+    codes = _scale_columns(dense(scales).view(torch.uint8), n, groups)
     scale = torch.where(codes == E8M0_NAN, math.nan, _e8m0_scale(codes.long() - E8M0_BIAS))
     if dtype is DispatchDtype.MXFP8:
         values = payload.float()
     else:
-        packed = payload.contiguous().view(torch.uint8)
+        packed = dense(payload).view(torch.uint8)
         nibbles = torch.stack((packed & 0xF, packed >> 4), dim=2).view(n, hidden)
         values = _e2m1_decode(nibbles)
     return _unblocked(_blocked(values, group) * scale[:, :, None], hidden)
@@ -399,14 +409,12 @@ class DispatchRowLayout:
     ) -> torch.Tensor:
         """Rows of already-gathered copies -> ``[R, row_bytes]`` uint8 with zeroed pads."""
         rows = torch.zeros(tokens.shape[0], self.row_bytes, dtype=torch.uint8, device=tokens.device)
-        rows[:, : self.token_bytes] = tokens.contiguous().view(torch.uint8)
+        rows[:, : self.token_bytes] = dense(tokens).view(torch.uint8)
         if self.scale_bytes:
             assert scales is not None
             rows[:, self.scale_offset : self.scale_offset + self.scale_bytes] = scales
-        rows[:, self.weights_offset : self.weights_offset + 4 * self.topk] = (
-            weights.float().contiguous().view(torch.uint8)
-        )
-        rows[:, self.ids_offset : self.ids_offset + 4 * self.topk] = wire_ids(ids).contiguous().view(torch.uint8)
+        rows[:, self.weights_offset : self.weights_offset + 4 * self.topk] = dense(weights.float()).view(torch.uint8)
+        rows[:, self.ids_offset : self.ids_offset + 4 * self.topk] = dense(wire_ids(ids)).view(torch.uint8)
         return rows
 
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ class EpDispatchCombineOp:
             payload, scales = formats.quantize_dispatch(x, self.config.dispatch_dtype, self.fp8_dtype)
         scale_rows = None
         if scales is not None and self.scale_bytes:  # the checks ensured scales wherever scale_bytes
-            scale_rows = scales.contiguous().view(torch.uint8).view(x.shape[0], self.scale_bytes)
+            scale_rows = formats.dense(scales).view(torch.uint8).view(x.shape[0], self.scale_bytes)
         self.provider.dispatch_send(payload, scale_rows, topk_weights, topk_ids, self.layout)
 
     def dispatch_recv(self) -> DispatchOutput:
