@@ -67,6 +67,14 @@ class KernelTuning:
             value, least = getattr(self, name), MIN_ROUTE_TASK if name == "fused_route_block" else MIN_TILE
             if value < least or value & (value - 1):
                 raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {least}")
+        for name in WARP_FIELDS:
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_WARPS or value & (value - 1):
+                # Triton asserts this only when it compiles for a GPU (the interpreter ignores warps).
+                raise ValueError(f"KernelTuning.{name}={value}: warps are powers of two in [1, {MAX_WARPS}]")
+        for name in PROGRAM_FIELDS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"KernelTuning.{name}={getattr(self, name)}: must be >= 1")
 
 
 TILE_FIELDS = (
@@ -78,6 +86,17 @@ TILE_FIELDS = (
     "combine_recv_tile",
     "combine_recv_tile_fp8",
 )
+WARP_FIELDS = (
+    "route_warps",
+    "send_warps",
+    "recv_warps",
+    "combine_send_warps",
+    "combine_recv_warps",
+    "combine_recv_warps_fp8",
+)
+PROGRAM_FIELDS = ("send_programs_per_sm", "combine_send_programs_per_sm", "combine_recv_programs_per_sm")
+# The most warps a program may have: 1024 threads of 32-lane NVIDIA warps (AMD's 64-lane ones reach it at 16).
+MAX_WARPS = 32
 # The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
 MIN_TILE = 64
 # The fewest tokens of a routing task inside the dispatch send, and so the most tasks a batch can span.
