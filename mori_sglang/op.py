@@ -215,10 +215,22 @@ class EpDispatchCombineOp:
 
 
 def _normalize_device(device: torch.device | str | None) -> torch.device:
-    """An explicit device with its index, so that tensors' devices compare equal to it."""
+    """An explicit device with its index, so that tensors' devices compare equal to it. The op runs on
+    the CPU or a GPU this torch sees (ROCm's too, as "cuda"): anything else is refused by name here,
+    before torch fails inside a provider or, for a device without memory (meta), at the first step."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={str(device)!r}: the op runs on 'cpu' or a GPU ('cuda', 'cuda:N')")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={str(device)!r}: this torch sees no GPU; use device='cpu'")
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={str(device)!r}: this machine has {torch.cuda.device_count()} GPU(s)")
     return device

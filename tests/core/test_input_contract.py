@@ -716,6 +716,31 @@ def test_peer_timeouts_past_what_the_kernels_deadline_holds_are_refused() -> Non
     check_step(scn, inputs, run_step(scn, world.ops, inputs))
 
 
+NO_SUCH_GPU = "this machine has" if ON_GPU else "this torch sees no GPU"
+
+
+@pytest.mark.parametrize(
+    ("device", "match"),
+    [
+        ("gpu", r"device='gpu' is not a device; use 'cpu', 'cuda' or 'cuda:N'"),
+        ("meta", r"device='meta': the op runs on 'cpu' or a GPU"),  # once failed at the first dispatch
+        ("xpu", r"device='xpu': the op runs on 'cpu' or a GPU"),
+        ("cuda:99", rf"device='cuda:99': {NO_SUCH_GPU}"),
+        pytest.param(
+            "cuda",
+            "device='cuda': this torch sees no GPU; use device='cpu'",
+            marks=pytest.mark.skipif(ON_GPU, reason="a GPU is there"),
+        ),
+    ],
+)
+def test_a_device_the_op_cannot_run_on_is_refused_by_name(device: str, match: str) -> None:
+    cfg = EpConfig(2, 0, 64, 4, 2, max_tokens_per_rank=2, provider="torch")
+    with pytest.raises(ConfigError, match=match):
+        LoopbackWorld(cfg, device)
+    with pytest.raises(ConfigError, match=match):
+        EpDispatchCombineOp(cfg, device=device)
+
+
 OTHER_DEVICE = torch.device("cpu") if ON_GPU else torch.device("meta")
 
 
