@@ -134,8 +134,10 @@ class EpDispatchCombineOp:
     def _send_dispatch(
         self, x: torch.Tensor, topk_weights: torch.Tensor, scales: torch.Tensor | None, topk_ids: torch.Tensor
     ) -> None:
-        """Hand checked inputs to the provider, quantizing bf16 tokens where its send does not."""
-        payload = x
+        """Hand checked inputs to the provider, quantizing bf16 tokens where its send does not. Packed fp4
+        tokens may come as torch's float4_e2m1fn_x2: the providers take their bytes (uint8, the same
+        layout), as torch's own indexing and Triton know no float4 type."""
+        payload = x.view(torch.uint8) if x.dtype == torch.float4_e2m1fn_x2 else x
         if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
             if self._quantize_in_send:
                 self.provider.dispatch_send(x, None, topk_weights, topk_ids, self.layout, quantize=True)

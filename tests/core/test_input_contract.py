@@ -716,6 +716,19 @@ def test_peer_timeouts_past_what_the_kernels_deadline_holds_are_refused() -> Non
     check_step(scn, inputs, run_step(scn, world.ops, inputs))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_fp4_tokens_as_torchs_float4_type(provider: str, mode: Mode) -> None:
+    """Pre-quantized fp4 tokens in torch's float4_e2m1fn_x2 (as SGLang's and vLLM's fp4 quantizers make
+    them) are the packed bytes the op takes as uint8: they were accepted, then failed inside torch's
+    indexing (torch provider) and Triton's type table (Triton provider)."""
+    scn = Scenario(world=2, tokens=(3, 2), hidden=64, topk=4, dispatch=DispatchDtype.MXFP4, mode=mode,
+                   expert="rank_scaled", seed=23)  # fmt: skip
+    inputs = world_inputs(scn)
+    float4 = [replace(i, payload=i.payload.view(torch.float4_e2m1fn_x2)) for i in inputs]
+    check_step(scn, inputs, run_step(scn, _world(scn, provider).ops, float4))
+
+
 NO_SUCH_GPU = "this machine has" if ON_GPU else "this torch sees no GPU"
 
 
