@@ -11,7 +11,7 @@ Python, and runs no torch operation at all for inputs in the documented layout.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mori_sglang import env, formats, wire_formats
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
+from mori_sglang.config import FP8_TYPES, CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.kernels import interpreter, transport
 from mori_sglang.kernels.geometry import MIN_ROUTE_TASK, MIN_TILE, KernelTuning, multiprocessors, program_count
 from mori_sglang.kernels.launch import BoundLaunch
@@ -78,6 +78,49 @@ def check_word_rows(config: EpConfig, layout: formats.DispatchRowLayout) -> None
         )
 
 
+# The dispatch formats whose send quantizes to the op's fp8 flavour; every combine format but bf16 is fp8.
+FP8_DISPATCH = (DispatchDtype.FP8, DispatchDtype.MXFP8)
+
+
+def compiled_fp8_types(device: torch.device) -> tuple[str, ...] | None:
+    """The fp8 types Triton compiles for ``device``'s GPU, from its backend's own options (NVIDIA: e4m3fn
+    from sm_89 on, never e4m3fnuz; AMD: both); None on a CPU, whose interpreter takes every type."""
+    if device.type != "cuda" or interpreter.interpreting():
+        return None
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import driver
+
+    with torch.cuda.device(device):
+        target = driver.active.get_current_target()
+    supported = getattr(make_backend(target).parse_options({}), "supported_fp8_dtypes", None)
+    return None if supported is None else tuple(supported)  # None: a Triton without the table checks at compile
+
+
+def check_fp8_compiles(config: EpConfig, fp8_dtype: torch.dtype, supported: Collection[str] | None) -> None:
+    """Refuse, when the op is built, a configuration whose kernels would use an fp8 type Triton does not
+    compile for this GPU (e4m3fnuz on NVIDIA, any e4m3 before sm_89): Triton would raise only at the
+    first dispatch or combine, from inside its compiler."""
+    if supported is None:
+        return
+    uses = []
+    if config.dispatch_dtype in FP8_DISPATCH:
+        uses.append(f"{config.dispatch_dtype.value} dispatch (SGLANG_MORI_DISPATCH_DTYPE)")
+    if config.combine_dtype is not CombineDtype.BF16:
+        name = wire_formats.COMBINE_BY_NAME[config.combine_dtype.value].user_name
+        uses.append(f"{name} combine (SGLANG_MORI_COMBINE_DTYPE)")
+    triton_type = TRITON_FP8[fp8_dtype].name
+    if not uses or triton_type in supported:
+        return
+    flavour = next(name for name, dtype in FP8_TYPES.items() if dtype == fp8_dtype)
+    others = [name for name, dtype in FP8_TYPES.items() if TRITON_FP8[dtype].name in supported]
+    instead = f"SGLANG_MORI_FP8_TYPE={others[0]}, " if others else ""
+    raise ConfigError(
+        f"the triton provider would run {' and '.join(uses)} in {flavour} (SGLANG_MORI_FP8_TYPE), which Triton "
+        f"does not compile for this GPU (its fp8 types: {', '.join(sorted(supported))}); use {instead}bf16 "
+        "formats, or SGLANG_MORI_BACKEND=torch"
+    )
+
+
 def clock_kind(device: torch.device) -> int:
     """Which clock the receive kernels' deadline reads (transport.CLOCK_*)."""
     if device.type == "cpu" or interpreter.interpreting():
@@ -123,6 +166,7 @@ class TritonProvider(EpProvider):
                 )
             interpreter.install_exact_casts()
         check_word_rows(config, layout)
+        check_fp8_compiles(config, fp8_dtype, compiled_fp8_types(device))
         self.config = config
         self.device = device
         self.fp8_dtype = fp8_dtype

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mori_sglang import formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.kernels import interpreter
 from mori_sglang.kernels.geometry import DISPATCH_RECV_PROGRAMS_PER_SM, KernelTuning
 from mori_sglang.loopback import LoopbackWorld
@@ -354,6 +354,73 @@ def test_programmatic_launch_only_where_graphs_keep_it(
     assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is expected
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is False
+
+
+def _fp8_types(backend: str, arch: int | str) -> tuple[str, ...]:
+    """The fp8 types Triton's own backend compiles for a GPU (read from its options, no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget(backend, arch, 32 if backend == "cuda" else 64)
+    return tuple(make_backend(target).parse_options({}).supported_fp8_dtypes)
+
+
+FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize(
+    ("gpu", "fp8", "dispatch", "combine", "refused"),
+    [
+        (
+            ("cuda", 90),
+            FNUZ,
+            DispatchDtype.FP8,
+            CombineDtype.BF16,
+            r"fp8 dispatch .* in e4m3fnuz .*SGLANG_MORI_FP8_TYPE=e4m3fn",
+        ),
+        (
+            ("cuda", 90),
+            FNUZ,
+            DispatchDtype.BF16,
+            CombineDtype.FP8_BLOCKWISE,
+            r"fp8 combine \(SGLANG_MORI_COMBINE_DTYPE\)",
+        ),
+        (("cuda", 90), FN, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE_NATIVE, None),
+        (
+            ("cuda", 80),
+            FN,
+            DispatchDtype.BF16,
+            CombineDtype.FP8_DIRECT_CAST,
+            r"fp8_direct_cast combine .*use bf16 formats",
+        ),
+        (("cuda", 80), FN, DispatchDtype.MXFP4, CombineDtype.BF16, None),  # fp4 packs e2m1 itself
+        (("cuda", 80), FNUZ, DispatchDtype.BF16, CombineDtype.BF16, None),
+        (("hip", "gfx942"), FNUZ, DispatchDtype.MXFP8, CombineDtype.FP8_BLOCKWISE, None),
+        (("hip", "gfx942"), FN, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, None),
+    ],
+)
+def test_fp8_types_triton_cannot_compile_for_the_gpu_are_refused(
+    gpu: tuple[str, int | str], fp8: torch.dtype, dispatch: DispatchDtype, combine: CombineDtype, refused: str | None
+) -> None:
+    """Triton compiles no e4m3fnuz for NVIDIA and no e4m3 at all before sm_89: such a configuration once
+    built and then failed in Triton's compiler at the first dispatch or combine. It is refused when the
+    op is built, naming the variables; formats that compile no fp8 type are not."""
+    cfg = _config(dispatch_dtype=dispatch, combine_dtype=combine, provider="triton")
+    supported = _fp8_types(*gpu)
+    if refused is None:
+        triton_provider.check_fp8_compiles(cfg, fp8, supported)
+        return
+    with pytest.raises(ConfigError, match=rf"the triton provider would run {refused}.*SGLANG_MORI_BACKEND=torch"):
+        triton_provider.check_fp8_compiles(cfg, fp8, supported)
+
+
+def test_the_provider_checks_the_fp8_types_of_its_gpu_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs when the op is built, with the GPU's table (an sm_80's here); a CPU has none."""
+    assert triton_provider.compiled_fp8_types(torch.device("cpu")) is None
+    monkeypatch.setattr(triton_provider, "compiled_fp8_types", lambda device: _fp8_types("cuda", 80))
+    cfg = _config(dispatch_dtype=DispatchDtype.FP8, provider="triton")
+    with pytest.raises(ConfigError, match=r"fp8 dispatch .* which Triton does not compile for this GPU"):
+        LoopbackWorld(cfg, DEVICE)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graph capture needs a CUDA GPU")
