@@ -93,12 +93,17 @@ def check_dispatch_dtypes(
 
 
 def check_tokens_the_op_quantizes(
-    config: EpConfig, layout: formats.DispatchRowLayout, x: torch.Tensor, scales: torch.Tensor | None
+    config: EpConfig,
+    layout: formats.DispatchRowLayout,
+    format_scale_bytes: int,
+    x: torch.Tensor,
+    scales: torch.Tensor | None,
 ) -> None:
     """bf16 tokens of a quantized dispatch format are quantized by the op, which makes their scale rows
-    (the format's own): scales passed with them would be dropped unseen, and an op that carries scale
-    rows of another size has nothing to fill them with. Both are refused; pre-quantized tokens carry
-    any scale row of the op's scale_bytes."""
+    (the format's own, ``format_scale_bytes``: ``formats.dispatch_scale_bytes``, computed once by the op):
+    scales passed with them would be dropped unseen, and an op that carries scale rows of another size
+    has nothing to fill them with. Both are refused; pre-quantized tokens carry any scale row of the op's
+    scale_bytes."""
     if x.dtype != torch.bfloat16 or config.dispatch_dtype is DispatchDtype.BF16:
         return
     fmt = config.dispatch_dtype.value
@@ -107,10 +112,9 @@ def check_tokens_the_op_quantizes(
             f"bf16 tokens are quantized to {fmt} by the op, which makes their scale rows: pass scales=None, "
             f"or pre-quantized {fmt} tokens with their scales"
         )
-    natural = formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden)
-    if layout.scale_bytes != natural:
+    if layout.scale_bytes != format_scale_bytes:
         raise InputError(
-            f"bf16 tokens are quantized to {fmt} by the op, which makes {natural} B scale rows, but the op "
+            f"bf16 tokens are quantized to {fmt} by the op, which makes {format_scale_bytes} B scale rows, but the op "
             f"carries scale_bytes={layout.scale_bytes}: pass pre-quantized {fmt} tokens with their "
             f"{layout.scale_bytes} B scale rows, or build the op with scale_bytes=None"
         )

@@ -59,11 +59,9 @@ class EpDispatchCombineOp:
         if loopback is not None and loopback.world_size != config.world_size:
             raise ConfigError(f"loopback world of {loopback.world_size} ranks, config says {config.world_size}")
         self.token_bytes = formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden)
-        self.scale_bytes = (
-            config.scale_bytes
-            if config.scale_bytes is not None
-            else formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden)
-        )
+        # The scale row the format makes when the op quantizes (checked per dispatch of bf16 tokens).
+        self._format_scale_bytes = formats.dispatch_scale_bytes(config.dispatch_dtype, config.hidden)
+        self.scale_bytes = config.scale_bytes if config.scale_bytes is not None else self._format_scale_bytes
         self.layout = formats.DispatchRowLayout(self.token_bytes, self.scale_bytes, config.topk)
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
         setup = ProviderSetup(config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback)
@@ -100,7 +98,7 @@ class EpDispatchCombineOp:
         check_dispatch_shapes(self.config, self.layout, x, weights, scales, ids)
         check_capacity(self.config, x.shape[0])
         check_dispatch_dtypes(self.config, self.layout, self.payload_dtype, x, scales, ids)
-        check_tokens_the_op_quantizes(self.config, self.layout, x, scales)
+        check_tokens_the_op_quantizes(self.config, self.layout, self._format_scale_bytes, x, scales)
         check_devices(self.device, tokens=x, topk_weights=weights, topk_ids=ids, scales=scales)
         if self.device.type not in self.provider.capabilities.id_checks_on_device:
             check_expert_ids_on_host(self.config, ids)
