@@ -6,7 +6,7 @@
 #   .ci/install-sglang.sh VENV [BASE_VENV]
 #
 # With BASE_VENV (a venv holding torch 2.13.0, triton 3.7.1 and pytest, as tests/run.sh's .venv does) VENV
-# is layered on it (.ci/venv.sh) and holds only what SGLang adds, about 0.8 GB instead of 2.2 GB.
+# is layered on it (.ci/venv.sh) and holds only what SGLang adds, about 0.5 GB instead of 2.2 GB.
 #
 # SGLang's own metadata pins a CUDA stack (torch 2.14.1, flashinfer, deep_ep, ...) that neither installs
 # nor is needed on CPU. So: torch 2.13.0 and pytest with their dependencies, then the measured set of

@@ -10,7 +10,7 @@
 # pip finds every pin satisfied. Needs python3 >= 3.10 and PyPI.
 #
 # With BASE_VENV (a venv holding torch 2.13.0, triton 3.7.1 and pytest, as tests/run.sh's .venv does)
-# VENV_DIR is layered on it (.ci/venv.sh) and holds only what vLLM adds, about 1.4 GB instead of 2.8 GB.
+# VENV_DIR is layered on it (.ci/venv.sh) and holds only what vLLM adds, about 1.2 GB instead of 2.8 GB.
 set -euo pipefail
 
 if [[ $# -lt 1 || $# -gt 2 ]]; then
