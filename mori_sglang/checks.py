@@ -11,6 +11,14 @@ from mori_sglang.config import DispatchDtype, EpConfig
 from mori_sglang.types import CombineHandle, InputError, expert_id_error, short_expert_outputs_error
 
 
+def input_signature(*tensors: torch.Tensor | None) -> tuple:
+    """What the shape, dtype and device checks read of each input (None: an input not passed). Inputs of
+    a signature that passed them pass again: a step whose inputs keep the last step's signature skips
+    them (a serving loop's usually do), and a check of values, such as ``check_expert_ids_on_host``,
+    runs every time."""
+    return tuple([None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
+
+
 def check_dispatch_shapes(
     config: EpConfig,
     layout: formats.DispatchRowLayout,

@@ -109,14 +109,18 @@ def device_name(text: str) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto``: the first GPU where torch sees one, else the CPU. A GPU torch does not see is a SetupError."""
+    """``auto``: the current GPU where torch sees one, else the CPU; a GPU with its index (``cuda`` is
+    the current one), as Triton's stream and device queries take it. A GPU torch does not see is a
+    SetupError."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise SetupError(f"--device {name}: this torch sees no GPU; use --device cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
             raise SetupError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 

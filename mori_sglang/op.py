@@ -22,6 +22,7 @@ from mori_sglang.checks import (
     check_expert_outputs,
     check_outputs_cover_received,
     check_tokens_the_op_quantizes,
+    input_signature,
 )
 from mori_sglang.config import ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.device_wait import wait_for_device
@@ -68,6 +69,10 @@ class EpDispatchCombineOp:
         self.provider = build_provider(self.provider_kind, setup)
         # A send not yet received, per kind ("dispatch", "combine"): a second send would overwrite it.
         self._in_flight = {"dispatch": False, "combine": False}
+        # The input signatures (``input_signature``) that last passed the shape, dtype and device checks.
+        self._checked_dispatch: tuple | None = None
+        self._checked_combine: tuple | None = None
+        self._ids_checked_on_host = self.device.type not in self.provider.capabilities.id_checks_on_device
         # Whether bf16 tokens are quantized by the provider's send, decided once: the per-step host path
         # stays short. (The op quantizes bf16 tokens only into the format's own scale row, without scales
         # from the caller: check_tokens_the_op_quantizes.)
@@ -95,12 +100,15 @@ class EpDispatchCombineOp:
     def _check_dispatch(
         self, x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor
     ) -> None:
-        check_dispatch_shapes(self.config, self.layout, x, weights, scales, ids)
-        check_capacity(self.config, x.shape[0])
-        check_dispatch_dtypes(self.config, self.layout, self.payload_dtype, x, scales, ids)
-        check_tokens_the_op_quantizes(self.config, self.layout, self._format_scale_bytes, x, scales)
-        check_devices(self.device, tokens=x, topk_weights=weights, topk_ids=ids, scales=scales)
-        if self.device.type not in self.provider.capabilities.id_checks_on_device:
+        signature = input_signature(x, weights, scales, ids)
+        if signature != self._checked_dispatch:
+            check_dispatch_shapes(self.config, self.layout, x, weights, scales, ids)
+            check_capacity(self.config, x.shape[0])
+            check_dispatch_dtypes(self.config, self.layout, self.payload_dtype, x, scales, ids)
+            check_tokens_the_op_quantizes(self.config, self.layout, self._format_scale_bytes, x, scales)
+            check_devices(self.device, tokens=x, topk_weights=weights, topk_ids=ids, scales=scales)
+            self._checked_dispatch = signature
+        if self._ids_checked_on_host:
             check_expert_ids_on_host(self.config, ids)
 
     def _start_send(self, kind: str) -> None:
@@ -169,8 +177,11 @@ class EpDispatchCombineOp:
     # -- combine --------------------------------------------------------------------------------
 
     def _check_combine(self, y: torch.Tensor, handle: CombineHandle) -> None:
-        check_expert_outputs(self.config, y)
-        check_devices(self.device, expert_outputs=y)
+        signature = input_signature(y)
+        if signature != self._checked_combine:
+            check_expert_outputs(self.config, y)
+            check_devices(self.device, expert_outputs=y)
+            self._checked_combine = signature
         if handle.issuer != self.ident:
             raise InputError(
                 "the combine handle comes from another op's dispatch: pass the handle of this op's dispatch"

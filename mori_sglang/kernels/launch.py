@@ -5,15 +5,17 @@ looks the compiled kernel up on every call: tens of µs for the kernels here, mo
 data movement. A ``BoundLaunch`` fixes a kernel's grid, constexprs, launch options and the arguments
 that do not change from step to step (the op's own buffers, as addresses) when it is made. Its first
 launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
-launches call that compiled kernel's launcher directly, as the JIT itself does, with the arguments
-that change per call (the caller's tensors) put in their places, and without the launch hooks and their
-metadata where no hook is set (the JIT passes them always). In Triton's interpreter every launch
-goes through the JIT.
+launches call the compiled kernel's C launcher directly (``DirectLaunch``) with the arguments that
+change per call (the caller's tensors) put in their places. Where a launch hook is set (a profiler's),
+a launch goes through Triton's own launcher with the hooks and their metadata, as the JIT does. In
+Triton's interpreter every launch goes through the JIT.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from triton import knobs
@@ -22,6 +24,51 @@ from triton.runtime import driver
 # Triton specializes pointer arguments on this alignment (bytes); a compiled kernel is reused only for
 # tensors that share the first launch's dtype and alignment.
 POINTER_ALIGN = 16
+
+
+class DirectLaunch(NamedTuple):
+    """A compiled kernel's C launcher with everything its Python wrapper would pass it, but the stream
+    and the kernel's arguments: ``c_launch(*head, stream, *middle, *arguments)``, or with the arguments
+    as one tuple where ``packs_arguments`` (the wrapper's layout differs by Triton version and backend)."""
+
+    c_launch: Callable[..., object]
+    head: tuple
+    middle: tuple
+    packs_arguments: bool
+
+
+class _Marker:
+    """A stand-in the wrapper passes on to its C launcher, found again by identity."""
+
+
+def direct_launch(
+    run: object, grid: tuple[int, int, int], function: object, packed_metadata: object
+) -> DirectLaunch | None:
+    """How the compiled kernel's launcher ``run`` (Triton's ``CudaLauncher`` or ``HIPLauncher``) calls
+    its C launcher for ``grid`` with no launch hooks, read from one call of the wrapper on a copy whose C
+    launcher only records its arguments. The wrapper does nothing else per launch where the kernel needs
+    no scratch memory, which it would allocate per launch; None there, or for a launcher laid out
+    otherwise (the caller then calls ``run``)."""
+    if getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0) or not hasattr(run, "launch"):
+        return None
+    stream, arguments = _Marker(), (_Marker(), _Marker())
+    seen: list[tuple] = []
+
+    probe = copy.copy(run)
+    probe.launch = lambda *passed: seen.append(passed)
+    type(run).__call__(probe, *grid, stream, function, packed_metadata, None, None, None, *arguments)
+    if len(seen) != 1:
+        return None
+    passed = seen[0]
+    at = [i for i, value in enumerate(passed) if value is stream]
+    if len(at) != 1 or any(isinstance(value, _Marker) for value in passed[: at[0]]):
+        return None
+    head, rest = passed[: at[0]], passed[at[0] + 1 :]
+    if rest[-len(arguments) :] == arguments:
+        return DirectLaunch(run.launch, head, rest[: -len(arguments)], packs_arguments=False)
+    if rest and rest[-1] == arguments:
+        return DirectLaunch(run.launch, head, rest[:-1], packs_arguments=True)
+    return None
 
 
 class BoundLaunch:
@@ -52,13 +99,16 @@ class BoundLaunch:
         self._positions = tuple(names.index(name) for name in variable)
         self._jit_kwargs = {**args, **options}
         # Every parameter in order, as the compiled kernel's launcher takes them: fixed tensors as
-        # addresses, constexprs as their values (the launcher ignores them), per-launch ones filled in.
+        # addresses, constexprs as their values (the launcher ignores them); each launch writes its
+        # per-launch values in place.
         self._arguments = [_raw(args[name]) if name in args else options.get(name) for name in names]
-        # Per specialization: the compiled kernel, its launcher, function handle and packed metadata.
-        self._compiled: dict[tuple, tuple] = {}
+        # Per specialization: the compiled kernel and its direct launch (None: through its launcher).
+        self._compiled: dict[tuple, tuple[object, DirectLaunch | None]] = {}
         # Straight to the compiled kernel on a GPU; through the JIT in the interpreter (CPU tensors).
         self._stream = driver.active.get_current_stream if device.type == "cuda" else None
-        self._device_index = device.index
+        self._device_index = (
+            device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+        )
 
     def __call__(self, *values: torch.Tensor | int) -> None:
         """Launch with the per-launch arguments (tensors or ints), in the order ``variable`` named them."""
@@ -66,35 +116,44 @@ class BoundLaunch:
         if self._stream is None:
             self.kernel[self.grid](**self._jit_kwargs, **dict(zip(self._variable, values, strict=True)))
             return
+        if len(values) != len(self._positions):
+            raise TypeError(f"{len(values)} per-launch arguments for {self._variable}")
         arguments = self._arguments
-        key = ()
+        key: tuple = ()
         if values:
-            arguments = arguments.copy()
             specialization = []
-            for position, value in zip(self._positions, values):  # noqa: B905 (lengths checked below)
+            for position, value in zip(self._positions, values, strict=True):
                 if isinstance(value, int):
                     arguments[position] = value
                     specialization.append((-(2**31) <= value < 2**31, value == 1, value % POINTER_ALIGN == 0))
                 else:  # a tensor, by address: Triton specializes on its dtype and alignment
                     address = arguments[position] = value.data_ptr()
                     specialization.append((value.dtype, address % POINTER_ALIGN == 0))
-            if len(values) != len(self._positions):
-                raise TypeError(f"{len(values)} per-launch arguments for {self._variable}")
             key = tuple(specialization)
         compiled = self._compiled.get(key)
         if compiled is None:
-            kwargs = dict(zip(self._variable, values, strict=True))
-            compiled = self.kernel[self.grid](**self._jit_kwargs, **kwargs)
-            self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata)
+            self._compile(key, values)
             return
-        compiled, run, function, packed_metadata = compiled
+        kernel, direct = compiled
         stream = self._stream(self._device_index)
         enter_hook = active_hook(knobs.runtime.launch_enter_hook)
         exit_hook = active_hook(knobs.runtime.launch_exit_hook)
-        metadata = None
-        if enter_hook is not None or exit_hook is not None:
-            metadata = compiled.launch_metadata(self.grid, stream, *arguments)
-        run(*self.grid, stream, function, packed_metadata, metadata, enter_hook, exit_hook, *arguments)
+        if direct is None or enter_hook is not None or exit_hook is not None:
+            metadata = None
+            if enter_hook is not None or exit_hook is not None:
+                metadata = kernel.launch_metadata(self.grid, stream, *arguments)
+            kernel.run(
+                *self.grid, stream, kernel.function, kernel.packed_metadata, metadata, enter_hook, exit_hook, *arguments
+            )
+        elif direct.packs_arguments:
+            direct.c_launch(*direct.head, stream, *direct.middle, tuple(arguments))
+        else:
+            direct.c_launch(*direct.head, stream, *direct.middle, *arguments)
+
+    def _compile(self, key: tuple, values: tuple) -> None:
+        """The first launch of a specialization: through the JIT, which compiles or finds the kernel."""
+        kernel = self.kernel[self.grid](**self._jit_kwargs, **dict(zip(self._variable, values, strict=True)))
+        self._compiled[key] = (kernel, direct_launch(kernel.run, self.grid, kernel.function, kernel.packed_metadata))
 
 
 def active_hook(hook: Callable | None) -> Callable | None:

@@ -6,7 +6,8 @@ host time (``bench --eager``), with the device kept busy so that no row waits fo
 Rows: torch's own launch (an in-place add on one element); a Triton kernel through its JIT
 (``kernel[grid](...)``: binding, specialization key, cache lookup); through a ``BoundLaunch`` (the
 provider's path), without and with a per-launch tensor; through the compiled kernel's launcher called
-with prepared arguments (what Triton costs below the JIT); each for a kernel of one runtime argument and
+with prepared arguments (what Triton costs below the JIT) and through the C launcher beneath it (what
+a ``BoundLaunch`` calls); each for a kernel of one runtime argument and
 one of 21 (the dispatch send's count). On CPU the kernels run in Triton's interpreter and the times say
 nothing about a GPU.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mori_sglang import cli
-from mori_sglang.kernels.launch import BoundLaunch
+from mori_sglang.kernels.launch import BoundLaunch, direct_launch
 from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
 from mori_sglang.tools.measure import time_eager, write_rows
 
@@ -73,6 +74,13 @@ def _paths(device: torch.device, wide: bool) -> dict[str, Callable[[], object]]:
         paths["compiled kernel's launcher, prepared arguments"] = lambda: compiled.run(
             1, 1, 1, stream, function, metadata, None, None, None, *arguments
         )
+        direct = direct_launch(compiled.run, (1, 1, 1), function, metadata)
+        if direct is not None:  # what a BoundLaunch calls: the C launcher, without the Python wrapper
+            c_launch, head, middle = direct.c_launch, direct.head, direct.middle
+            if direct.packs_arguments:
+                paths["C launcher, prepared arguments"] = lambda: c_launch(*head, stream, *middle, arguments)
+            else:
+                paths["C launcher, prepared arguments"] = lambda: c_launch(*head, stream, *middle, *arguments)
     return paths
 
 

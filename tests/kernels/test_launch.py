@@ -1,6 +1,8 @@
 """``BoundLaunch``: what it hands the compiled kernel's launcher. Launch hooks are passed only when one
 is set (an empty ``HookChain`` would cost the launcher a call around every launch and the host the
-launch metadata it is given), and a hook that is set, a profiler's, still sees every launch."""
+launch metadata it is given), and a hook that is set, a profiler's, still sees every launch. Without
+hooks it calls the C launcher directly, with what Triton's own launcher (this Triton's, NVIDIA's and
+AMD's) would pass it."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from triton import knobs
 from triton.knobs import HookChain
 
-from mori_sglang.kernels.launch import BoundLaunch, active_hook
+from mori_sglang.kernels.launch import BoundLaunch, DirectLaunch, active_hook, direct_launch
 from mori_sglang.kernels.probes import launch_probe_kernel
 
 
@@ -55,7 +57,8 @@ def test_a_profilers_hook_sees_bound_launches_and_none_is_built_without_one(
     torch.cuda.synchronize()
     assert out.item() == 1
     assert len(enter_hook_calls) == 1
-    assert enter_hook_calls[0]["name"] == compiled.name
+    metadata = enter_hook_calls[0]
+    assert (metadata if isinstance(metadata, dict) else metadata.get())["name"] == compiled.name  # LazyDict
 
     knobs.runtime.launch_enter_hook.remove(enter_hook_calls.append)
     built = []
@@ -66,3 +69,94 @@ def test_a_profilers_hook_sees_bound_launches_and_none_is_built_without_one(
     assert out.item() == 1
     assert built == []
     knobs.runtime.launch_enter_hook.add(enter_hook_calls.append)  # the fixture removes it
+
+
+def _launchers() -> list[type]:
+    """This Triton's launcher classes: NVIDIA's and AMD's."""
+    from triton.backends.amd.driver import HIPLauncher
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    return [CudaLauncher, HIPLauncher]
+
+
+def _recording_launcher(cls: type, calls: list[tuple], scratch: int = 0) -> object:
+    """A launcher of class ``cls`` as Triton builds it for a kernel, but whose C launcher records the
+    arguments it is given. Attributes of every Triton version's launchers are set (unused ones are
+    harmless); ``scratch``: bytes of global scratch memory per program the kernel needs."""
+    launcher = object.__new__(cls)
+    for name, value in {
+        "num_ctas": 1,
+        "warp_size": 64,
+        "global_scratch_size": scratch,
+        "global_scratch_align": 128,
+        "profile_scratch_size": 0,
+        "profile_scratch_align": 1,
+        "launch_cooperative_grid": False,
+        "launch_pdl": True,
+        "arg_annotations": ("annotations",),
+        "kernel_signature": b"signature",
+    }.items():
+        setattr(launcher, name, value)
+    launcher.launch = lambda *passed: calls.append(passed)
+    return launcher
+
+
+@pytest.mark.parametrize("cls", _launchers(), ids=lambda cls: cls.__name__)
+def test_a_direct_launch_passes_what_tritons_launcher_passes(cls: type) -> None:
+    calls: list[tuple] = []
+    launcher = _recording_launcher(cls, calls)
+    grid, function, packed_metadata, stream = (7, 2, 1), 0xF00, (4, 1, 0), 0x5EA
+    direct = direct_launch(launcher, grid, function, packed_metadata)
+    assert isinstance(direct, DirectLaunch)
+    calls.clear()
+    for arguments in ([11, 2**40, 1.5], [3]):
+        cls.__call__(launcher, *grid, stream, function, packed_metadata, None, None, None, *arguments)
+        if direct.packs_arguments:
+            direct.c_launch(*direct.head, stream, *direct.middle, tuple(arguments))
+        else:
+            direct.c_launch(*direct.head, stream, *direct.middle, *arguments)
+        assert len(calls) == 2
+        assert calls[0] == calls[1]
+        calls.clear()
+
+
+@pytest.mark.parametrize("cls", _launchers(), ids=lambda cls: cls.__name__)
+def test_a_kernel_that_needs_scratch_memory_goes_through_tritons_launcher(cls: type) -> None:
+    launcher = _recording_launcher(cls, [], scratch=256)
+    assert direct_launch(launcher, (1, 1, 1), 0xF00, (4, 1, 0)) is None  # allocated per launch
+    launcher.global_scratch_size, launcher.profile_scratch_size = 0, 64
+    assert direct_launch(launcher, (1, 1, 1), 0xF00, (4, 1, 0)) is None
+    launcher.profile_scratch_size = 0
+    assert direct_launch(launcher, (1, 1, 1), 0xF00, (4, 1, 0)) is not None
+
+
+def test_a_launcher_laid_out_otherwise_goes_through_tritons_launcher() -> None:
+    class Unknown:
+        global_scratch_size = profile_scratch_size = 0
+
+        def launch(self, *passed: object) -> None: ...
+
+        def __call__(self, grid_x, grid_y, grid_z, stream, function, *rest) -> None:
+            self.launch(str(stream), function, *rest)  # the stream converted: not recognisable
+
+    assert direct_launch(Unknown(), (1, 1, 1), 0xF00, (4, 1, 0)) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launcher runs on a GPU (CPU: the JIT)")
+def test_a_bound_launch_on_a_gpu_launches_directly_and_right() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    values = {f"a{i}": int(v) for i, v in enumerate(torch.randint(-1000, 1000, (20,)))}
+    from mori_sglang.kernels.probes import launch_probe_wide_kernel
+
+    out = torch.full((1,), -7, dtype=torch.int64, device=device)
+    bound = BoundLaunch(launch_probe_wide_kernel, device, (1,), values, {"num_warps": 1}, variable=("out_ptr",))
+    bound(out)
+    assert all(direct is not None for _, direct in bound._compiled.values())
+    for _ in range(3):
+        other = torch.full((2,), -7, dtype=torch.int64, device=device)[1:]  # another address, alignment
+        bound(other)
+        out.fill_(-7)
+        bound(out)
+        torch.cuda.synchronize()
+        assert out.item() == sum(values.values()) and other.item() == sum(values.values())
+    assert len(bound._compiled) == 2 and bound.launches == 7

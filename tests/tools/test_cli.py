@@ -58,6 +58,18 @@ def test_bounds_and_devices() -> None:
     assert cli.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_a_gpu_comes_with_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's stream query takes a device index: ``cuda`` and ``auto`` name the current GPU by it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert cli.resolve_device("cuda") == torch.device("cuda", 2)
+    assert cli.resolve_device("auto") == torch.device("cuda", 2)
+    assert cli.resolve_device("cuda:3") == torch.device("cuda", 3)
+    with pytest.raises(cli.SetupError, match="--device cuda:4: this machine has 4 GPU"):
+        cli.resolve_device("cuda:4")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a GPU this machine lacks")
 def test_a_gpu_torch_does_not_see_is_a_setup_error() -> None:
     with pytest.raises(cli.SetupError, match="--device cuda:1: this torch sees no GPU; use --device cpu or auto"):

@@ -32,7 +32,7 @@ def test_cli_prints_every_path_for_both_kernels(capsys: pytest.CaptureFixture[st
     rows = launch_cost.main(["--iters", "2", "--device", DEVICE.type, "--json", str(tmp_path / "rows.json")])
     paths = ["Triton JIT (kernel[grid](...))", "BoundLaunch, fixed arguments", "BoundLaunch, one tensor per launch"]
     if DEVICE.type == "cuda":
-        paths.append("compiled kernel's launcher, prepared arguments")
+        paths += ["compiled kernel's launcher, prepared arguments", "C launcher, prepared arguments"]
     want = [("torch (in-place add)", 1)] + [(p, 1) for p in paths] + [(p, 21) for p in paths]
     assert [(r.path, r.runtime_arguments) for r in rows] == want
     assert all(r.host_us > 0 for r in rows) and rows[0].ratio_to_torch == 1.0
