@@ -33,11 +33,15 @@ from mori_sglang.tools.measure import (
     PHASES,
     copy_bandwidth,
     count_launches,
+    host_us_per_call,
     identity_expert,
     time_eager,
     time_phases,
 )
 from mori_sglang.tools.workload import add_workload_args, report_progress, speedup_cells, workload_configs
+
+# The torch launch each eager row is measured against: launches per timed repeat, and repeats.
+TORCH_LAUNCHES, REPEATS = 200, 5
 
 
 @dataclass
@@ -71,7 +75,10 @@ class EagerRow:
     iterations. ``host_us``: the calls' own time, with the device kept busy so that nothing waits for it;
     ``device_us``: from the first to the last device operation the calls queued (None on CPU);
     ``launches``: device operations (kernels, copies, fills) per call, from the profiler (None on CPU);
-    ``d2h_copies``: device-to-host copies per step; ``graph_us``: the same phases replayed from a graph."""
+    ``d2h_copies``: device-to-host copies per step; ``graph_us``: the same phases replayed from a graph;
+    ``torch_launch_us``: one torch launch's host µs (an in-place add, timed the same way in the same
+    run), the unit that makes host times of different hosts comparable (a lent VM's launches cost twice
+    a bare-metal host's)."""
 
     host_us: list[float]
     device_us: list[float] | None
@@ -79,6 +86,7 @@ class EagerRow:
     d2h_copies: float | None
     graph_us: list[float] | None
     device_kept_busy: bool  # every host measurement ended before the device reached the calls' work
+    torch_launch_us: float
 
 
 def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
@@ -158,13 +166,16 @@ def _eager_row(
         phase()
     host, dev, busy = time_eager(phases, device, iters)
     counts = [count_launches(p, device) for p in phases]
+    one = torch.zeros(1, device=device)
+    torch_launch_us, torch_busy = host_us_per_call(lambda: one.add_(1), device, TORCH_LAUNCHES, REPEATS)
     return EagerRow(
         host_us=[statistics.median(t) * 1e6 / world for t in host],
         device_us=[statistics.median(t) * 1e6 / world for t in dev] if dev is not None else None,
         launches=[c[0] / world for c in counts] if counts[0] is not None else None,
         d2h_copies=sum(c[1] for c in counts) / world if counts[0] is not None else None,
         graph_us=[t / world for t in graph_us] if graph_us is not None else None,
-        device_kept_busy=busy,
+        device_kept_busy=busy and torch_busy,
+        torch_launch_us=torch_launch_us,
     )
 
 
@@ -251,8 +262,9 @@ def eager_markdown(rows: list[Row]) -> str:
         "eager steps, per rank (ds/dr/cs/cr: dispatch send/recv, combine send/recv; median of the iterations)",
         "",
         f"| provider | mode | tokens/rank | dispatch | combine | host µs: {short} | device µs: {short} | "
-        f"graph µs: {short} | launches: {short} | D2H copies | device kept busy |",
-        "| --- | --- | ---: | --- | --- |" + " ---: |" * 21 + " --- |",
+        f"graph µs: {short} | launches: {short} | D2H copies | torch launch µs | host sum in torch launches | "
+        "device kept busy |",
+        "| --- | --- | ---: | --- | --- |" + " ---: |" * 23 + " --- |",
     ]
     for r in rows:
         e = r.eager
@@ -262,7 +274,8 @@ def eager_markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
             f"{cells(e.host_us, '.1f')} | {cells(e.device_us, '.1f')} | {cells(e.graph_us, '.1f')} | "
-            f"{cells(e.launches, 'g')} | {d2h} | {'yes' if e.device_kept_busy else 'no'} |"
+            f"{cells(e.launches, 'g')} | {d2h} | {e.torch_launch_us:.2f} | {sum(e.host_us) / e.torch_launch_us:.1f} | "
+            f"{'yes' if e.device_kept_busy else 'no'} |"
         )
     return "\n".join(lines)
 

@@ -15,7 +15,6 @@ nothing about a GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch
 from mori_sglang import cli
 from mori_sglang.kernels.launch import BoundLaunch, direct_launch
 from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
-from mori_sglang.tools.measure import time_eager, write_rows
+from mori_sglang.tools.measure import host_us_per_call, write_rows
 
 WIDE_ARGUMENTS = 20  # beside the output pointer
 REPEATS = 5
@@ -37,20 +36,6 @@ class LaunchCost:
     host_us: float  # median over the repeats of the mean per launch
     ratio_to_torch: float
     device_kept_busy: bool
-
-
-def host_us_per_call(call: Callable[[], object], device: torch.device, iters: int) -> tuple[float, bool]:
-    """Median over repeats of the mean host µs of ``iters`` calls, timed as the eager benchmark times a
-    phase (``time_eager``: on a GPU a sleep kernel ahead outlasts them; the second value says whether it
-    did every time)."""
-    call()  # compile outside the timing
-
-    def calls() -> None:
-        for _ in range(iters):
-            call()
-
-    host, _device, busy = time_eager([calls], device, REPEATS)
-    return statistics.median(host[0]) * 1e6 / iters, busy
 
 
 def _paths(device: torch.device, wide: bool) -> dict[str, Callable[[], object]]:
@@ -86,11 +71,11 @@ def _paths(device: torch.device, wide: bool) -> dict[str, Callable[[], object]]:
 
 def measure(device: torch.device, iters: int) -> list[LaunchCost]:
     one = torch.zeros(1, device=device)
-    torch_us, torch_busy = host_us_per_call(lambda: one.add_(1), device, iters)
+    torch_us, torch_busy = host_us_per_call(lambda: one.add_(1), device, iters, REPEATS)
     rows = [LaunchCost("torch (in-place add)", 1, torch_us, 1.0, torch_busy)]
     for wide in (False, True):
         for path, call in _paths(device, wide).items():
-            us, busy = host_us_per_call(call, device, iters)
+            us, busy = host_us_per_call(call, device, iters, REPEATS)
             rows.append(LaunchCost(path, 1 + WIDE_ARGUMENTS * wide, us, us / torch_us, busy))
     return rows
 

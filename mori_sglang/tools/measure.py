@@ -103,6 +103,20 @@ def time_eager(
     return host, dev, busy
 
 
+def host_us_per_call(call: Callable[[], object], device: torch.device, iters: int, repeats: int) -> tuple[float, bool]:
+    """Median over ``repeats`` of the mean host µs of ``iters`` calls, timed as the eager benchmark times a
+    phase (``time_eager``: on a GPU a sleep kernel ahead outlasts them; the second value says whether it
+    did every time)."""
+    call()  # compile outside the timing
+
+    def calls() -> None:
+        for _ in range(iters):
+            call()
+
+    host, _device, busy = time_eager([calls], device, repeats)
+    return statistics.median(host[0]) * 1e6 / iters, busy
+
+
 def _sleep_rate(device: torch.device) -> float:
     """Cycles per second of ``torch.cuda._sleep`` on this device."""
     cycles = 10_000_000

@@ -417,6 +417,19 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
     assert provider.op.calls == (split if case.kernel == "AsyncLL" else ["dispatch", "combine"]) * 2
 
 
+def _op_checking_ids_on_device(cfg: EpConfig) -> EpDispatchCombineOp:
+    """A CPU op whose MoRI provider declares, as on a GPU, that it range-checks expert ids itself (the
+    op decides when it is built whether to check them on the host)."""
+    declared = MoriProvider.capabilities
+    MoriProvider.capabilities = replace(declared, id_checks_on_device=frozenset({"cpu", "cuda"}))
+    try:
+        op = EpDispatchCombineOp(cfg, device="cpu")
+    finally:
+        MoriProvider.capabilities = declared
+    assert isinstance(op.provider, MoriProvider)
+    return op
+
+
 def _ids_past_the_last_expert(rank: int, world: int) -> None:
     """On a GPU the op leaves ids to the provider: ids past the last expert reach no rank (AsyncLL's
     receiver would assert on them), -1 reaches none either, and the step raises."""
@@ -424,9 +437,7 @@ def _ids_past_the_last_expert(rank: int, world: int) -> None:
     local = EXPERTS // world
     for mode in (Mode.LOW_LATENCY, Mode.INTRANODE):
         cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=mode, provider="mori")
-        op = EpDispatchCombineOp(cfg, device="cpu")
-        on_any_device = frozenset({"cpu", "cuda"})
-        op.provider.capabilities = replace(op.provider.capabilities, id_checks_on_device=on_any_device)
+        op = _op_checking_ids_on_device(cfg)
         own = rank * local
         ids = torch.tensor([[EXPERTS + rank, 1, -1], [EXPERTS + 5, -1, -1], [own, own + 1, EXPERTS]])
         op.dispatch_send(torch.randn(3, 256).to(torch.bfloat16), torch.rand(3, TOPK), None, ids)

@@ -60,8 +60,11 @@ def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> Non
     host = [float(cell) for cell in rows[0][5:10]]
     assert all(h > 0 for h in host) and abs(sum(host[:4]) - host[4]) < 0.2
     assert rows[0][10:15] == ["-"] * 5  # no device time on a CPU
+    torch_launch, in_launches = float(rows[0][26]), float(rows[0][27])
+    assert torch_launch > 0 and abs(in_launches - host[4] / torch_launch) <= 0.05 + 0.01 * in_launches
     eager_json = json.loads(out.read_text())["rows"][0]["eager"]
     assert len(eager_json["host_us"]) == 4 and eager_json["launches"] is None
+    assert eager_json["torch_launch_us"] == pytest.approx(torch_launch, abs=0.005)
 
 
 def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path) -> None:
