@@ -235,13 +235,15 @@ class TritonProvider(EpProvider):
         return found
 
     def launch_count(self) -> int:
-        """Kernel launches so far, over every bound launch (a test's and a benchmark's counter)."""
-        return sum(
-            launch.launches
+        """Kernel launches so far, over every bound launch (a test's and a benchmark's counter); a launch
+        that several plans hold counts once."""
+        bound = {
+            id(launch): launch
             for plan in self._launches.values()
             for launch in (plan if isinstance(plan, tuple) else (plan,))
             if isinstance(launch, BoundLaunch)
-        )
+        }
+        return sum(launch.launches for launch in bound.values())
 
     def _bind(self, kernel, grid: tuple[int, ...], args: dict, options: dict, variable=()) -> BoundLaunch:
         return BoundLaunch(kernel, self.device, grid, args, {**options, **self._pdl_launch}, variable)
@@ -455,17 +457,17 @@ class TritonProvider(EpProvider):
         if self._sent is None:
             self._refuse_receive("dispatch")
         num_tokens, self._sent = self._sent, None  # each send is received once
-        recv = self._cached(("dispatch_recv",), self._dispatch_recv_launch, layout)
+        recv, slots, tokens, scales = self._cached(
+            ("dispatch_recv", num_tokens, token_dtype), self._dispatch_recv_plan, num_tokens, layout, token_dtype
+        )
         recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
-        slots = self._cached(("slot_of_pair", num_tokens), self._slot_of_pair.narrow, 0, 0, num_tokens)
         handle = SlotHandle(
             num_tokens=num_tokens,
             num_recv=self.num_recv,
             slot_of_pair=slots,
             recv_counts=self.recv_counts,
         )
-        tokens, scales = self._cached(("dispatch_out", token_dtype), self._dispatch_views, layout, token_dtype)
         return DispatchOutput(
             tokens=tokens,
             topk_weights=self.weights_out,
@@ -476,12 +478,16 @@ class TritonProvider(EpProvider):
             handle=handle,
         )
 
-    def _dispatch_views(
-        self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The received tokens as ``token_dtype`` and the meaningful bytes of their scale rows."""
+    def _dispatch_recv_plan(
+        self, num_tokens: int, layout: formats.DispatchRowLayout, token_dtype: torch.dtype
+    ) -> tuple[BoundLaunch, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The receive's launch (one for every batch size), and the views a receive of a batch of
+        ``num_tokens`` returns: each pair's slot, the received tokens as ``token_dtype`` and the
+        meaningful bytes of their scale rows."""
+        recv = self._cached(("dispatch_recv",), self._dispatch_recv_launch, layout)
+        slots = self._slot_of_pair.narrow(0, 0, num_tokens)
         scales = self.scales_out.view(torch.uint8)[:, : layout.scale_bytes] if layout.scale_bytes else None
-        return self.tokens_out.view(torch.uint8).view(token_dtype), scales
+        return recv, slots, self.tokens_out.view(torch.uint8).view(token_dtype), scales
 
     def _dispatch_recv_launch(self, layout: formats.DispatchRowLayout) -> BoundLaunch:
         cfg = self.config
