@@ -14,7 +14,8 @@ Triton's interpreter every launch goes through the JIT.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -77,6 +78,9 @@ class BoundLaunch:
     the launches. After the first launch of a specialization, Triton's pre-run hooks are not called
     (the provider's kernels have none)."""
 
+    # False: every launch goes through Triton's launcher (``through_tritons_launcher``).
+    direct_launches = True
+
     def __init__(
         self,
         kernel,
@@ -138,7 +142,7 @@ class BoundLaunch:
         stream = self._stream(self._device_index)
         enter_hook = active_hook(knobs.runtime.launch_enter_hook)
         exit_hook = active_hook(knobs.runtime.launch_exit_hook)
-        if direct is None or enter_hook is not None or exit_hook is not None:
+        if direct is None or not self.direct_launches or enter_hook is not None or exit_hook is not None:
             metadata = None
             if enter_hook is not None or exit_hook is not None:
                 metadata = kernel.launch_metadata(self.grid, stream, *arguments)
@@ -154,6 +158,17 @@ class BoundLaunch:
         """The first launch of a specialization: through the JIT, which compiles or finds the kernel."""
         kernel = self.kernel[self.grid](**self._jit_kwargs, **dict(zip(self._variable, values, strict=True)))
         self._compiled[key] = (kernel, direct_launch(kernel.run, self.grid, kernel.function, kernel.packed_metadata))
+
+
+@contextmanager
+def through_tritons_launcher() -> Iterator[None]:
+    """Every ``BoundLaunch`` goes through the compiled kernel's Triton launcher while this is active, as
+    before direct launches: the baseline a benchmark measures them against in the same run."""
+    BoundLaunch.direct_launches = False
+    try:
+        yield
+    finally:
+        BoundLaunch.direct_launches = True
 
 
 def active_hook(hook: Callable | None) -> Callable | None:

@@ -11,26 +11,33 @@ from collections.abc import Iterator
 import pytest
 import torch
 from triton import knobs
-from triton.knobs import HookChain
 
-from mori_sglang.kernels.launch import BoundLaunch, DirectLaunch, active_hook, direct_launch
+from mori_sglang.kernels.launch import BoundLaunch, DirectLaunch, active_hook, direct_launch, through_tritons_launcher
 from mori_sglang.kernels.probes import launch_probe_kernel
+
+HookChain = getattr(knobs, "HookChain", None)  # Triton 3.5 on; 3.4 keeps each hook as one callable
+needs_hook_chains = pytest.mark.skipif(HookChain is None, reason="this Triton (before 3.5) has no HookChain")
 
 
 def _hook(metadata: object) -> None:
     """A launch hook that does nothing."""
 
 
+def test_an_older_tritons_hook_passes_as_it_is() -> None:
+    assert active_hook(None) is None
+    assert active_hook(_hook) is _hook
+
+
+@needs_hook_chains
 def test_an_empty_hook_chain_is_no_hook() -> None:
     assert active_hook(HookChain()) is None
-    assert active_hook(None) is None
 
 
-def test_a_hook_that_is_set_passes_as_it_is() -> None:
+@needs_hook_chains
+def test_a_hook_chain_that_is_set_passes_as_it_is() -> None:
     chain = HookChain()
     chain.add(_hook)
     assert active_hook(chain) is chain
-    assert active_hook(_hook) is _hook  # an older Triton's single hook
 
 
 @pytest.fixture
@@ -42,6 +49,7 @@ def enter_hook_calls() -> Iterator[list[object]]:
     knobs.runtime.launch_enter_hook.remove(seen.append)
 
 
+@needs_hook_chains
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launcher runs on a GPU (CPU: the JIT)")
 def test_a_profilers_hook_sees_bound_launches_and_none_is_built_without_one(
     enter_hook_calls: list[object], monkeypatch: pytest.MonkeyPatch
@@ -160,3 +168,32 @@ def test_a_bound_launch_on_a_gpu_launches_directly_and_right() -> None:
         torch.cuda.synchronize()
         assert out.item() == sum(values.values()) and other.item() == sum(values.values())
     assert len(bound._compiled) == 2 and bound.launches == 7
+
+
+def test_through_tritons_launcher_switches_every_bound_launch_and_back() -> None:
+    assert BoundLaunch.direct_launches
+    with pytest.raises(RuntimeError), through_tritons_launcher():
+        assert not BoundLaunch.direct_launches
+        raise RuntimeError("a failing measurement")
+    assert BoundLaunch.direct_launches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launcher runs on a GPU (CPU: the JIT)")
+def test_a_bound_launch_through_tritons_launcher_makes_no_direct_launch() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    out = torch.full((1,), -7, dtype=torch.int64, device=device)
+    bound = BoundLaunch(launch_probe_kernel, device, (1,), {}, {"num_warps": 1}, variable=("out_ptr",))
+    bound(out)
+    [(key, (kernel, direct))] = bound._compiled.items()
+
+    def refuse(*passed: object) -> None:
+        raise AssertionError("a direct launch")
+
+    bound._compiled[key] = (kernel, direct._replace(c_launch=refuse))
+    with through_tritons_launcher():
+        out.fill_(-7)
+        bound(out)
+        torch.cuda.synchronize()
+    assert out.item() == 1
+    with pytest.raises(AssertionError, match="a direct launch"):
+        bound(out)
