@@ -1,10 +1,12 @@
 """Kernels with the memory traffic of a transport phase and none of its arithmetic: they measure what a
-phase's access pattern allows on a device, the ceiling its "% of the copy roofline" is read against."""
+phase's access pattern allows on a device, the ceiling its "% of the copy roofline" is read against;
+and kernels that move (almost) nothing, for the cost of a launch on the host and on the device."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -37,3 +39,14 @@ def launch_probe_wide_kernel(
     low = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9
     high = a10 + a11 + a12 + a13 + a14 + a15 + a16 + a17 + a18 + a19
     tl.store(out_ptr, low + high)
+
+
+@triton.jit
+def idle_probe_kernel(out_ptr, store_in: int, PDL: tl.constexpr):
+    """A kernel's fixed device cost: under programmatic dependent launch each program waits for the
+    kernel before it, as the transport's do, and no program moves anything (``store_in`` names no
+    program, a runtime value that keeps the compiler from dropping the store)."""
+    if PDL:
+        gdc_wait()
+    if tl.program_id(0) == store_in:
+        tl.store(out_ptr, 1)

@@ -10,23 +10,33 @@ with prepared arguments (what Triton costs below the JIT) and through the C laun
 a ``BoundLaunch`` calls); each for a kernel of one runtime argument and
 one of 21 (the dispatch send's count). On CPU the kernels run in Triton's interpreter and the times say
 nothing about a GPU.
+
+On a GPU a second table gives the floor under a phase's graph-replayed device time: the device µs per
+kernel of an idle kernel (``idle_probe_kernel``: no program moves anything) launched back to back in
+a CUDA graph, as the loopback benchmark replays a phase's kernels, for grids of one program to the
+most programs per SM the provider's kernels launch, with and without programmatic dependent launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mori_sglang import cli
+from mori_sglang.kernels.geometry import multiprocessors
 from mori_sglang.kernels.launch import BoundLaunch, direct_launch
-from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
+from mori_sglang.kernels.probes import idle_probe_kernel, launch_probe_kernel, launch_probe_wide_kernel
+from mori_sglang.providers.triton_provider import programmatic_launch
 from mori_sglang.tools.measure import host_us_per_call, write_rows
 
 WIDE_ARGUMENTS = 20  # beside the output pointer
 REPEATS = 5
+KERNELS_PER_GRAPH = 8  # a loopback phase's kernels: one per rank of EP8
+PROGRAMS_PER_SM = (8, 48)  # beside grids of one program and one per SM; 48: the dispatch send's default
 
 
 @dataclass
@@ -80,6 +90,47 @@ def measure(device: torch.device, iters: int) -> list[LaunchCost]:
     return rows
 
 
+@dataclass
+class DeviceFloor:
+    programs: int
+    programmatic_launch: bool
+    device_us: float  # per kernel: the median over the replays of the graph's time / KERNELS_PER_GRAPH
+
+
+def measure_device_floor(device: torch.device, replays: int) -> list[DeviceFloor]:
+    """Device µs per idle kernel in graph replay, per grid and launch mode (GPU only)."""
+    sms = multiprocessors(device)
+    grids = [1, sms, *(per_sm * sms for per_sm in PROGRAMS_PER_SM)]
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    rows = []
+    for pdl in (False, True) if programmatic_launch(device) else (False,):
+        options = {"num_warps": 1, "PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+        for programs in grids:
+            launch = BoundLaunch(idle_probe_kernel, device, (programs,), {"out_ptr": out, "store_in": -1}, options)
+            launch()  # compiles
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(KERNELS_PER_GRAPH):
+                    launch()
+            graph.replay()
+            times = []
+            for _ in range(replays):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / KERNELS_PER_GRAPH)
+            rows.append(DeviceFloor(programs, pdl, statistics.median(times)))
+    return rows
+
+
+def floor_markdown(rows: list[DeviceFloor]) -> str:
+    lines = ["| programs | programmatic launch | device µs per kernel |", "| ---: | --- | ---: |"]
+    lines += [f"| {r.programs} | {'yes' if r.programmatic_launch else 'no'} | {r.device_us:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[LaunchCost]) -> str:
     lines = [
         "| path | runtime arguments | host µs per launch | vs torch's launch | device kept busy |",
@@ -102,6 +153,12 @@ def main(argv: list[str] | None = None) -> list[LaunchCost]:
     rows = measure(device, args.iters)
     print(f"host cost of one launch on {device} (median of {REPEATS} repeats of {args.iters} launches)\n")
     print(markdown(rows))
+    if device.type == "cuda":
+        print(
+            f"\ndevice cost of an idle kernel on {device}: {KERNELS_PER_GRAPH} launches back to back in a CUDA graph, "
+            f"median of {args.iters} replays\n"
+        )
+        print(floor_markdown(measure_device_floor(device, args.iters)))
     write_rows(args.json, rows)
     return rows
 

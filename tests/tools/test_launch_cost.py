@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mori_sglang import cli
-from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
+from mori_sglang.kernels.probes import idle_probe_kernel, launch_probe_kernel, launch_probe_wide_kernel
 from mori_sglang.tools import launch_cost
 
 pytestmark = pytest.mark.skipif(
@@ -26,6 +26,11 @@ def test_the_probes_store_their_word() -> None:
     values = [int(v) for v in torch.randint(-1000, 1000, (launch_cost.WIDE_ARGUMENTS,))]
     launch_probe_wide_kernel[(1,)](out, *values)
     assert out.item() == sum(values)
+    out.fill_(-7)
+    idle_probe_kernel[(3,)](out, -1, PDL=False)  # no program stores
+    assert out.item() == -7
+    idle_probe_kernel[(3,)](out, 2, PDL=False)  # the store the compiler cannot drop is real
+    assert out.item() == 1
 
 
 def test_cli_prints_every_path_for_both_kernels(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
@@ -39,6 +44,22 @@ def test_cli_prints_every_path_for_both_kernels(capsys: pytest.CaptureFixture[st
     printed = capsys.readouterr().out
     assert all(f"| {r.path} | {r.runtime_arguments} | {r.host_us:.2f} |" in printed for r in rows)
     assert (tmp_path / "rows.json").read_text().count('"path"') == len(rows)
+    assert ("device cost of an idle kernel" in printed) == (DEVICE.type == "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph replay needs a GPU")
+def test_the_device_floor_covers_every_grid_and_launch_mode() -> None:
+    rows = launch_cost.measure_device_floor(DEVICE, replays=3)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    grids = [1, sms, *(per_sm * sms for per_sm in launch_cost.PROGRAMS_PER_SM)]
+    modes = sorted({r.programmatic_launch for r in rows})
+    assert [(r.programs, r.programmatic_launch) for r in rows] == [(g, m) for m in modes for g in grids]
+    assert all(r.device_us > 0 for r in rows)
+
+
+def test_the_floor_table_has_a_row_per_grid_and_mode() -> None:
+    rows = [launch_cost.DeviceFloor(1, False, 2.214), launch_cost.DeviceFloor(6336, True, 4.88)]
+    assert launch_cost.floor_markdown(rows).splitlines()[2:] == ["| 1 | no | 2.21 |", "| 6336 | yes | 4.88 |"]
 
 
 def test_on_a_cpu_without_the_interpreter_the_cli_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
