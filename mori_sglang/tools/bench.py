@@ -27,17 +27,16 @@ import torch
 from mori_sglang import cli, formats
 from mori_sglang.config import EpConfig, Provider
 from mori_sglang.kernels.geometry import KernelTuning
-from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.routing import owning_destinations
 from mori_sglang.tools.measure import (
     PHASES,
     copy_bandwidth,
     count_launches,
     host_us_per_call,
-    identity_expert,
     time_eager,
     time_phases,
 )
+from mori_sglang.tools.step import LoopbackStep
 from mori_sglang.tools.workload import add_workload_args, report_progress, speedup_cells, workload_configs
 
 # The torch launch each eager row is measured against: launches per timed repeat, and repeats.
@@ -89,16 +88,6 @@ class EagerRow:
     torch_launch_us: float
 
 
-def make_inputs(cfg: EpConfig, tokens: int, device: torch.device, seed: int):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    xs, weights, ids = [], [], []
-    for _ in range(cfg.world_size):
-        xs.append(torch.randn(tokens, cfg.hidden, generator=gen).to(torch.bfloat16).to(device))
-        ids.append(torch.rand(tokens, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.int().to(device))
-        weights.append(torch.rand(tokens, cfg.topk, generator=gen).to(device))
-    return xs, weights, ids
-
-
 def bench_one(
     cfg: EpConfig,
     tokens: int,
@@ -111,50 +100,20 @@ def bench_one(
 ) -> tuple[Row, int]:
     """``tuning``: the Triton provider's kernel tuning to measure (default: its defaults); ``eager``: also
     time the phases launched from Python (``Row.eager``)."""
-    world = LoopbackWorld(cfg, device)
-    if tuning is not None:
-        world.set_kernel_tuning(tuning)
-    xs, weights, ids = make_inputs(cfg, tokens, device, seed=1)
-    ops = world.ops
-    outs: list = [None] * cfg.world_size
-    results: list = [None] * cfg.world_size
-
-    def dispatch_send() -> None:
-        for op, x, w, i in zip(ops, xs, weights, ids, strict=True):
-            op.dispatch_send(x, w, None, i)
-
-    def dispatch_recv() -> None:
-        for r, op in enumerate(ops):
-            outs[r] = op.dispatch_recv()
-
-    # The expert side returns the received tokens (dequantized) as its outputs.
-    dispatch_send()
-    dispatch_recv()
-    ys = [identity_expert(o, cfg.dispatch_dtype, cfg.hidden) for o in outs]
-
-    def combine_send() -> None:
-        for op, y, o in zip(ops, ys, outs, strict=True):
-            op.combine_send(y, o.handle)
-
-    def combine_recv() -> None:
-        for r, op in enumerate(ops):
-            results[r] = op.combine_recv()
-
-    eager_phases = [dispatch_send, dispatch_recv, combine_send, combine_recv]
-    for phase in eager_phases[2:]:
-        phase()
+    step = LoopbackStep(cfg, tokens, device, tuning)
+    eager_phases = step.phases
     graphed = graph and device.type == "cuda"
     phases = [_capture(p, device) for p in eager_phases] if graphed else eager_phases
     for phase in phases:  # warm-up
         phase()
     times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
-    recv_rows = sum(int(o.num_recv.item()) for o in outs)
-    pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in ids)
+    recv_rows = sum(int(o.num_recv.item()) for o in step.outs)
+    pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in step.ids)
     assert recv_rows == pairs, (recv_rows, pairs)
-    row = _row(cfg, tokens, times, recv_rows, world.ops[0], copy_gbs)
+    row = _row(cfg, tokens, times, recv_rows, step.world.ops[0], copy_gbs)
     if eager:
         row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
-        assert sum(int(o.num_recv.item()) for o in outs) == pairs
+        assert sum(int(o.num_recv.item()) for o in step.outs) == pairs
     return row, recv_rows
 
 

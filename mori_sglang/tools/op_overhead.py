@@ -33,8 +33,9 @@ from mori_sglang import cli
 from mori_sglang.config import EpConfig, Mode
 from mori_sglang.kernels.launch import BoundLaunch, through_tritons_launcher
 from mori_sglang.loopback import LoopbackWorld
-from mori_sglang.tools.bench import REPEATS, TORCH_LAUNCHES, make_inputs
-from mori_sglang.tools.measure import PHASES, host_us_per_call, identity_expert, time_eager
+from mori_sglang.tools.bench import REPEATS, TORCH_LAUNCHES
+from mori_sglang.tools.measure import PHASES, host_us_per_call, time_eager
+from mori_sglang.tools.step import LoopbackStep
 
 
 @dataclass
@@ -87,35 +88,6 @@ def launches_stubbed() -> Iterator[None]:
         yield
 
 
-def world_phases(cfg: EpConfig, tokens: int, device: torch.device) -> tuple[LoopbackWorld, list[Callable[[], None]]]:
-    """A loopback world after one real step, and its four calls, each over every rank in rank order
-    (as ``bench`` runs them: a receive finds every rank's send queued before it)."""
-    world = LoopbackWorld(cfg, device)
-    xs, weights, ids = make_inputs(cfg, tokens, device, seed=1)
-    outs = world.dispatch(xs, weights, None, ids)
-    ys = [identity_expert(o, cfg.dispatch_dtype, cfg.hidden) for o in outs]
-    world.combine(ys, [o.handle for o in outs])
-    ops = world.ops
-
-    def dispatch_send() -> None:
-        for op, x, w, i in zip(ops, xs, weights, ids, strict=True):
-            op.dispatch_send(x, w, None, i)
-
-    def dispatch_recv() -> None:
-        for rank, op in enumerate(ops):
-            outs[rank] = op.dispatch_recv()
-
-    def combine_send() -> None:
-        for op, y, out in zip(ops, ys, outs, strict=True):
-            op.combine_send(y, out.handle)
-
-    def combine_recv() -> None:
-        for op in ops:
-            op.combine_recv()
-
-    return world, [dispatch_send, dispatch_recv, combine_send, combine_recv]
-
-
 def python_us(phases: list[Callable[[], None]], steps: int, repeats: int) -> list[float]:
     """Per phase, the least mean over ``repeats`` of ``steps`` steps, in µs (launches stubbed by the caller)."""
     best = [float("inf")] * len(phases)
@@ -135,7 +107,8 @@ def measure(
 ) -> Report:
     """Per rank and call: the Python with launches as no-ops, the launches, and on a GPU the host time
     with direct launches and through Triton's launcher over ``rounds`` rounds of ``iters`` steps each."""
-    world, phases = world_phases(cfg, tokens, device)
+    step = LoopbackStep(cfg, tokens, device)
+    world, phases = step.world, step.phases
     ranks = cfg.world_size
     with launches_stubbed():
         launches = []
