@@ -9,9 +9,12 @@ inputs from the same seed, which is what lets the gloo test demand bit-identical
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import random
+import subprocess
+import sys
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
@@ -28,6 +31,49 @@ from mori_sglang.config import FP8_TYPES, CombineDtype, DispatchDtype, EpConfig,
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import DispatchOutput
+
+# In-process tests that run the Triton kernels on a CPU: the suite sets TRITON_INTERPRET=1 only where
+# torch sees no GPU, and on a GPU machine the kernels are loaded for the GPU before such a test runs.
+kernels_interpreted_here = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the Triton kernels in Triton's CPU interpreter: this process loaded them for the GPU "
+    "(the suite sets TRITON_INTERPRET=1 only on a machine without a GPU)",
+)
+# A loop over a runtime bound, as every transport kernel has: what Triton 3.6's interpreter cannot run
+# with NumPy 2 (its loop bound is a one-element array that NumPy no longer converts to an int).
+_INTERPRETER_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def probe(out, n):
+    total = 0
+    for i in range(0, n * 2, 1):
+        total += 1
+    tl.store(out, total)
+out = torch.zeros(1, dtype=torch.int32)
+probe[(1,)](out, 3)
+assert out.item() == 6, out.item()
+"""
+
+
+@functools.cache
+def interpreter_failure() -> str | None:
+    """How this machine's Triton interpreter fails on a loop like the kernels' (its last error line), or
+    None where it runs it; checked once, in a process of its own that sees no GPU, as the CPU commands
+    the CLI tests start run."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def skip_without_working_interpreter() -> None:
+    """Skip a test whose command runs the kernels in Triton's interpreter where that interpreter fails
+    on them (Triton 3.6 with NumPy 2; the README's set-up installs triton 3.7.1)."""
+    failure = interpreter_failure()
+    if failure is not None:
+        pytest.skip(f"this Triton's interpreter cannot run the kernels' loops: {failure}")
+
 
 SEED_ENV = "MORI_SGLANG_TEST_SEED"
 BASE_SEED = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))

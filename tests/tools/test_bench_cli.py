@@ -11,12 +11,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import skip_without_working_interpreter
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "2", "--combine-dtype", "bf16", "fp8_blockwise"]
 
 
-def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "XDG_CACHE_HOME": str(tmp_path)}
+def _run(args: list[str], tmp_path: Path, runs_kernels: bool = True) -> subprocess.CompletedProcess[str]:
+    """The command on a CPU (a GPU this machine has is hidden from it), the kernels in the interpreter;
+    skipped where that interpreter cannot run them and the command would (``runs_kernels``)."""
+    if runs_kernels:
+        skip_without_working_interpreter()
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -87,6 +93,7 @@ def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mori_sglang.tools.bench_dist",
          "--provider", "torch", "--tokens", "6", "--mode", "intranode", "low_latency", "--json", str(out), *SMALL],
         tmp_path,
+        runs_kernels=False,
     ).stdout  # fmt: skip
     rows = _table_rows(text)
     assert [(r[1], r[5]) for r in rows] == [

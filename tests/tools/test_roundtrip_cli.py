@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mori_sglang import roundtrip
+from tests.helpers import kernels_interpreted_here, skip_without_working_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--world", "2", "--tokens", "3", "--hidden", "256", "--experts", "16", "--topk", "4", "--device", "cpu"]
@@ -92,6 +93,7 @@ def test_cpu_runs_the_triton_kernels_in_the_interpreter_with_exact_casts(tmp_pat
     """By default on a CPU the table comes from our kernels in Triton's interpreter, which the command
     enables itself; with the exact casts installed their errors equal the torch provider's (the wire
     bytes are bit-identical), where the interpreter's own casts would report about twice as much."""
+    skip_without_working_interpreter()
     tables = {}
     for provider in ("auto", "torch"):
         out_json = tmp_path / f"{provider}.json"
@@ -123,6 +125,7 @@ def test_every_mode_round_trips(mode: str, capsys: pytest.CaptureFixture[str]) -
     check_rows(parse_table(capsys.readouterr().out), wide_range=True)
 
 
+@kernels_interpreted_here
 def test_cpu_defaults() -> None:
     args = roundtrip.parse_args(["--device", "cpu", "--provider", "torch"])
     assert (args.world, args.tokens, args.iters, args.hidden, args.experts, args.topk) == (4, 16, 3, 1024, 256, 8)
@@ -148,6 +151,7 @@ def test_bad_arguments_are_usage_errors(flags: list[str], message: str, capsys: 
     assert capsys.readouterr().err.splitlines()[-1] == f"python -m mori_sglang.roundtrip: error: {message}"
 
 
+@kernels_interpreted_here
 def test_a_size_only_the_torch_provider_moves_is_a_usage_error_for_triton(capsys: pytest.CaptureFixture[str]) -> None:
     roundtrip.parse_args(["--device", "cpu", "--provider", "torch", "--hidden", "6"])
     with pytest.raises(SystemExit) as exit_info:
