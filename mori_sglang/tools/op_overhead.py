@@ -64,6 +64,7 @@ class Rounds:
     direct_us: list[float]
     wrapper_us: list[float]
     torch_launch_us: list[float]
+    device_kept_busy: bool = True  # whether every timed call ended before the device reached its work
 
     def differences(self) -> list[float]:
         """Direct minus Triton's launcher, round by round."""
@@ -126,17 +127,21 @@ def measure(
     direct: list[list[float]] = []
     wrapper: list[list[float]] = []
     torch_launch = []
+    kept_busy = True
     one = torch.zeros(1, device=device)
     for index in range(rounds):
         for use_direct in (True, False) if index % 2 == 0 else (False, True):  # either path first, in turn
             with contextlib.nullcontext() if use_direct else through_tritons_launcher():
-                host, _device, _busy = time_eager(phases, device, iters)
+                host, _device, busy = time_eager(phases, device, iters)
             (direct if use_direct else wrapper).append([statistics.median(t) * 1e6 / ranks for t in host])
-        torch_launch.append(host_us_per_call(lambda: one.add_(1), device, TORCH_LAUNCHES, REPEATS)[0])
+            kept_busy = kept_busy and busy
+        torch_us, busy = host_us_per_call(lambda: one.add_(1), device, TORCH_LAUNCHES, REPEATS)
+        torch_launch.append(torch_us)
+        kept_busy = kept_busy and busy
     for index, row in enumerate(rows):
         row.host_us = statistics.median(r[index] for r in direct)
         row.wrapper_host_us = statistics.median(r[index] for r in wrapper)
-    return Report(rows, Rounds([sum(r) for r in direct], [sum(r) for r in wrapper], torch_launch))
+    return Report(rows, Rounds([sum(r) for r in direct], [sum(r) for r in wrapper], torch_launch, kept_busy))
 
 
 def _launch_count(world: LoopbackWorld) -> int:
@@ -179,6 +184,7 @@ def markdown(report: Report) -> str:
     )
     differences = rounds.differences()
     lower = sum(d < 0 for d in differences)
+    busy = "yes" if rounds.device_kept_busy else "no"
     lines += [
         "",
         f"one torch launch (in-place add): {torch_launch:.2f} µs, median of {len(rounds.torch_launch_us)} rounds "
@@ -187,7 +193,7 @@ def markdown(report: Report) -> str:
         f"{max(rounds.direct_us):.2f}); through Triton's launcher: {wrapper:.2f} µs ({min(rounds.wrapper_us):.2f}-"
         f"{max(rounds.wrapper_us):.2f})",
         f"direct minus Triton's launcher, round by round: median {statistics.median(differences):+.2f} µs, "
-        f"lower in {lower} of {len(differences)} rounds",
+        f"lower in {lower} of {len(differences)} rounds; device kept busy: {busy}",
         "rounds, step µs direct / Triton's launcher / torch launch: "
         + ", ".join(
             f"{d:.1f} / {w:.1f} / {t:.1f}"

@@ -54,7 +54,12 @@ def test_the_table_sums_the_step_and_compares_the_paths_round_by_round() -> None
     assert "| a | 2.00 | 1 | 12.00 | 15.00 | 0.80 | 10.00 | 1.33 |" in lines  # 12 µs in 9 µs torch launches
     assert "| step | 4.00 | 3 | 32.00 | 36.00 | 0.89 | 9.33 | 3.56 |" in lines  # medians of the rounds' steps
     assert "one torch launch (in-place add): 9.00 µs, median of 3 rounds (8.00-10.00)" in lines
-    assert "direct minus Triton's launcher, round by round: median -1.00 µs, lower in 2 of 3 rounds" in lines
+    assert (
+        "direct minus Triton's launcher, round by round: median -1.00 µs, lower in 2 of 3 rounds; "
+        "device kept busy: yes" in lines
+    )
+    rounds.device_kept_busy = False
+    assert "device kept busy: no" in op_overhead.markdown(op_overhead.Report(rows, rounds))
     assert lines[-1].endswith(": 32.0 / 36.0 / 8.0, 30.0 / 31.0 / 10.0, 40.0 / 38.0 / 9.0")
     untimed = op_overhead.markdown(op_overhead.Report([op_overhead.OpOverhead("a", 2.0, 0.5)], None))
     assert untimed.splitlines()[-1] == "| step | 2.00 | 0.5 | - | - | - | - | - |"
