@@ -32,6 +32,7 @@ from mori_sglang.tools.measure import (
     PHASES,
     copy_bandwidth,
     count_launches,
+    graph_replay,
     host_us_per_call,
     time_eager,
     time_phases,
@@ -103,7 +104,7 @@ def bench_one(
     step = LoopbackStep(cfg, tokens, device, tuning)
     eager_phases = step.phases
     graphed = graph and device.type == "cuda"
-    phases = [_capture(p, device) for p in eager_phases] if graphed else eager_phases
+    phases = [graph_replay(p) for p in eager_phases] if graphed else eager_phases
     for phase in phases:  # warm-up
         phase()
     times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
@@ -136,13 +137,6 @@ def _eager_row(
         device_kept_busy=busy and torch_busy,
         torch_launch_us=torch_launch_us,
     )
-
-
-def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw: float) -> Row:

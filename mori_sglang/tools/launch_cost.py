@@ -31,7 +31,7 @@ from mori_sglang.kernels.geometry import multiprocessors
 from mori_sglang.kernels.launch import BoundLaunch, direct_launch
 from mori_sglang.kernels.probes import idle_probe_kernel, launch_probe_kernel, launch_probe_wide_kernel
 from mori_sglang.providers.triton_provider import programmatic_launch
-from mori_sglang.tools.measure import host_us_per_call, write_rows
+from mori_sglang.tools.measure import graph_replay, host_us_per_call, time_phases, write_rows
 
 WIDE_ARGUMENTS = 20  # beside the output pointer
 REPEATS = 5
@@ -108,19 +108,14 @@ def measure_device_floor(device: torch.device, replays: int) -> list[DeviceFloor
         for programs in grids:
             launch = BoundLaunch(idle_probe_kernel, device, (programs,), {"out_ptr": out, "store_in": -1}, options)
             launch()  # compiles
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+
+            def back_to_back(launch: BoundLaunch = launch) -> None:
                 for _ in range(KERNELS_PER_GRAPH):
                     launch()
-            graph.replay()
-            times = []
-            for _ in range(replays):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / KERNELS_PER_GRAPH)
+
+            replay = graph_replay(back_to_back)
+            replay()
+            times = [seconds * 1e6 / KERNELS_PER_GRAPH for seconds in time_phases([replay], device, replays)[0]]
             rows.append(DeviceFloor(programs, pdl, statistics.median(times)))
     return rows
 

@@ -48,6 +48,14 @@ class Stopwatch:
             self.seconds = time.perf_counter() - self._t0
 
 
+def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn``'s device work captured once in a CUDA graph: the call that replays it."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_phases(phases: list[Callable[[], object]], device: torch.device, iters: int) -> list[list[float]]:
     """Seconds of each phase per iteration (phases run in order every iteration)."""
     out: list[list[float]] = [[] for _ in phases]
