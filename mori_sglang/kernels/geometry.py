@@ -26,6 +26,11 @@ class KernelTuning:
     # the device, not the host's launches, bounds an eager step (docs/performance.md).
     fused_routing_max_tokens: int = 512
     fused_route_block: int = 16
+    # Batches of at most this many tokens route item by item inside the send, with no routing tasks to
+    # wait for: each work item counts the earlier tokens' destinations itself, ``self_route_chunk``
+    # tokens at a time, a cost that grows with the batch (worlds of at most SELF_ROUTING_MAX_WORLD ranks).
+    self_routing_max_tokens: int = 128
+    self_route_chunk: int = 32
     route_block: int = 256  # tokens per routing program; larger batches get more programs
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
@@ -64,7 +69,7 @@ class KernelTuning:
         if self.dispatch_recv_bytes_per_sm <= 0:
             raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
         for name in TILE_FIELDS:
-            value, least = getattr(self, name), MIN_ROUTE_TASK if name == "fused_route_block" else MIN_TILE
+            value, least = getattr(self, name), MIN_TILE_OF.get(name, MIN_TILE)
             if value < least or value & (value - 1):
                 raise ValueError(f"KernelTuning.{name}={value}: tiles are powers of two of at least {least}")
         for name in WARP_FIELDS:
@@ -79,6 +84,7 @@ class KernelTuning:
 
 TILE_FIELDS = (
     "fused_route_block",
+    "self_route_chunk",
     "route_block",
     "send_tile",
     "copy_block",
@@ -101,6 +107,10 @@ MAX_WARPS = 32
 MIN_TILE = 64
 # The fewest tokens of a routing task inside the dispatch send, and so the most tasks a batch can span.
 MIN_ROUTE_TASK = 16
+# The smallest value of the tiles counted in tokens; the others are at least MIN_TILE.
+MIN_TILE_OF = {"fused_route_block": MIN_ROUTE_TASK, "self_route_chunk": 1}
+# The most ranks a batch can route item by item in: one bit per rank in a 64-bit word per token.
+SELF_ROUTING_MAX_WORLD = 64
 # The fewest and the most programs per SM of the dispatch receive, whatever its rows' size.
 DISPATCH_RECV_PROGRAMS_PER_SM = (4, 16)
 # Programs per kernel in Triton's CPU interpreter: two exercise the work-item loops, more only cost time.

@@ -27,9 +27,11 @@ over: the dispatch send starts while the routing runs, and waits for it before r
 ``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
 
 The routing (each copy's destination slot) runs inside the dispatch send for small batches, so that a
-send is one launch (``FUSED_ROUTING``, the tasks below ``route_kernel``), and in ``route_count_kernel``
-and ``route_kernel`` before the send for large ones, where the send's extra registers cost more device
-time than the launches cost the host (docs/performance.md).
+send is one launch, and in ``route_count_kernel`` and ``route_kernel`` before the send for large ones,
+where the send's extra registers cost more device time than the launches cost the host
+(docs/performance.md). Inside the send, the smallest batches route item by item, each counting the
+earlier tokens' destinations itself (``SELF_ROUTING``, ``_self_route``), and larger ones in tasks that
+number a block of tokens for one destination (``FUSED_ROUTING``, the tasks below ``route_kernel``).
 """
 
 from __future__ import annotations
@@ -579,6 +581,100 @@ def _await_block(
     tl.debug_barrier()  # every thread of the program reads the routing after the acquire
 
 
+# The routing made by each work item of a small batch for its own token (``SELF_ROUTING``): a token's
+# position among the tokens that go to a rank is the number of earlier tokens that go there, which the
+# item counts from the ids itself, so nothing in the send waits for anything (docs/performance.md). The
+# earlier tokens' destinations are OR-ed into one word per token, a bit per rank.
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _destinations(ids, valid, num_local_experts):
+    """Expert ids -> the rank holding each (int32), 0 where an id routes nowhere (masked by ``valid``)."""
+    return tl.where(valid, ids, 0).to(tl.int32) // num_local_experts
+
+
+@triton.jit
+def _tokens_before(
+    ids_ptr,
+    n,
+    num_experts,
+    num_local_experts,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    WP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """How many of tokens 0..n-1 go to each rank ([WP], int32), CHUNK tokens at a time."""
+    k_offs = tl.arange(0, KP)
+    w_offs = tl.arange(0, WP)
+    BITS: tl.constexpr = tl.int64 if WP > 32 else tl.int32
+    counts = tl.zeros((WP,), dtype=tl.int32)
+    for t0 in range(0, n, CHUNK):
+        tokens = t0 + tl.arange(0, CHUNK)
+        mask = (tokens < n)[:, None] & (k_offs < K)[None, :]
+        ids = tl.load(ids_ptr + tokens[:, None] * K + k_offs[None, :], mask=mask, other=-1)
+        valid = mask & (ids >= 0) & (ids < num_experts)
+        one = tl.full((CHUNK, KP), 1, BITS)
+        bits = tl.reduce(tl.where(valid, one << _destinations(ids, valid, num_local_experts).to(BITS), 0), 1, _bit_or)
+        counts += tl.sum(((bits[:, None] >> w_offs[None, :].to(BITS)) & 1).to(tl.int32), 0)
+    return counts
+
+
+@triton.jit
+def _self_route(
+    ids_ptr,
+    peer_bases,
+    slot_of_pair_ptr,
+    send_counts_ptr,
+    status_ptr,
+    n,
+    tile,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    rank,
+    max_tokens,
+    ROW_BYTES: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The byte address of token n's row in each destination's arena ([KP]; 0 for a slot that is not
+    its destination's owner), as ``_write_routes`` numbers them. Tile 0's item also writes the token's
+    ``slot_of_pair`` row and records an id past the last expert in ``status[1]``, and the last token's
+    writes ``send_counts``."""
+    k_offs = tl.arange(0, KP)
+    w_offs = tl.arange(0, WP)
+    k_mask = k_offs < K
+    ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask, other=-1)
+    valid = k_mask & (ids >= 0) & (ids < num_experts)
+    dest = _destinations(ids, valid, num_local_experts)
+    # A token goes to a rank once, through its first slot whose expert lives there (the owner).
+    same_earlier = (dest[:, None] == dest[None, :]) & valid[None, :] & (k_offs[None, :] < k_offs[:, None])
+    owner = valid & (tl.max(same_earlier.to(tl.int32), 1) == 0)
+    before = _tokens_before(ids_ptr, n, num_experts, num_local_experts, K, KP, WP, CHUNK)
+    position = tl.sum(tl.where(dest[:, None] == w_offs[None, :], before[None, :], 0), 1)
+    base = tl.load(peer_bases + dest, mask=owner, other=0)
+    rows = tl.where(owner, base + (rank * max_tokens + position).to(tl.int64) * ROW_BYTES, 0)
+    if tile == 0:
+        slot = tl.where(owner, dest.to(tl.int64) * max_tokens + position, -1)
+        tl.store(slot_of_pair_ptr + n * K + k_offs, slot, mask=k_mask)
+        too_big = tl.max(tl.where(k_mask & (ids >= num_experts), ids.to(tl.int64) - (num_experts - 1), 0))
+        if too_big > 0:
+            tl.atomic_max(status_ptr + 1, too_big)
+        if n == num_tokens - 1:
+            goes = tl.max((owner[:, None] & (dest[:, None] == w_offs[None, :])).to(tl.int32), 0)
+            tl.store(send_counts_ptr + w_offs, before + goes, mask=w_offs < W)
+    return rows
+
+
 @triton.jit
 def _token_tile(
     x_ptr,
@@ -649,6 +745,8 @@ def dispatch_send_kernel(
     FP8: tl.constexpr,
     EMAX: tl.constexpr,
     FUSED_ROUTING: tl.constexpr,
+    SELF_ROUTING: tl.constexpr,
+    ROUTE_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NBP: tl.constexpr,
     COUNT_SPINS: tl.constexpr,
@@ -666,9 +764,11 @@ def dispatch_send_kernel(
     tile 0 also writes the pad, the weights and the ids. The inputs are read as the caller made them:
     the tokens' words and the scale rows' words whatever their dtype, f32 or 16-bit weights (sent as
     f32), int32 or int64 ids.
-       With FUSED_ROUTING the routing runs in this launch (the routing kernels otherwise): program p
-    first takes routing tasks p, p + programs, ... (``_route_task``), then quantizes each item and
-    waits for its block's routing (``_await_block``) only before it stores.
+       With SELF_ROUTING each item numbers its own token's copies from the ids (``_self_route``) and
+    nothing waits. With FUSED_ROUTING the routing runs in this launch as tasks: program p first takes
+    routing tasks p, p + programs, ... (``_route_task``), then quantizes each item and waits for its
+    block's routing (``_await_block``) only before it stores. With neither, the routing kernels ran
+    before the send.
        A program loads its next item's input before it works on the current one, so that two items'
     loads are in flight: the send is bound by the bytes it keeps in flight, and the extra registers
     (99 instead of 80 per thread for fp8, 168 instead of 96 for a copy) cost less than that gains."""
@@ -741,15 +841,21 @@ def dispatch_send_kernel(
             payload = x_now
             payload_at = tile * BLOCK + offs
             payload_in = payload_at < TOKEN_WORDS
-        if FUSED_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
-            if n // BLOCK_N > routed:
-                routed = n // BLOCK_N
-                _await_block(
-                    routed, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
-                    routed_ptr, claims_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts,
-                    rank, max_tokens, ROW_BYTES, K, KP, W, WP, BLOCK_N, NBP, COUNT_SPINS,
-                )  # fmt: skip
-        rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
+        if SELF_ROUTING:
+            rows = _self_route(
+                ids_ptr, peer_bases, slot_of_pair_ptr, send_counts_ptr, status_ptr, n, tile, num_tokens, num_experts,
+                num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, W, WP, ROUTE_CHUNK,
+            )  # fmt: skip
+        else:
+            if FUSED_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
+                if n // BLOCK_N > routed:
+                    routed = n // BLOCK_N
+                    _await_block(
+                        routed, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
+                        routed_ptr, claims_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts,
+                        num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, W, WP, BLOCK_N, NBP, COUNT_SPINS,
+                    )  # fmt: skip
+            rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
         present = rows != 0
         _store_all(rows, 0, payload_at, payload, payload_in, present, payload_at.shape[0], KP)
         if QUANT != QUANT_NONE:
@@ -767,6 +873,9 @@ def dispatch_send_kernel(
             ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
             ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
             _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
+    if SELF_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
+        if (num_tokens == 0) & (pid == 0):  # no token's item counts: nothing goes anywhere
+            tl.store(send_counts_ptr + tl.arange(0, WP), tl.zeros((WP,), tl.int64), mask=tl.arange(0, WP) < W)
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
         _advance_round(round_ptr)
         counts, ranks = _peer_words(peer_bases, counts_offset, rank, W, WP)

@@ -23,7 +23,14 @@ import triton.language as tl
 from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import FP8_TYPES, CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.kernels import interpreter, transport
-from mori_sglang.kernels.geometry import MIN_ROUTE_TASK, MIN_TILE, KernelTuning, multiprocessors, program_count
+from mori_sglang.kernels.geometry import (
+    MIN_ROUTE_TASK,
+    MIN_TILE,
+    SELF_ROUTING_MAX_WORLD,
+    KernelTuning,
+    multiprocessors,
+    program_count,
+)
 from mori_sglang.kernels.launch import BoundLaunch
 from mori_sglang.providers.arena import Arena, ArenaLayout
 from mori_sglang.providers.base import (
@@ -320,7 +327,8 @@ class TritonProvider(EpProvider):
         """The routing kernels (none when the send routes, one or two otherwise) and the send of a
         batch of ``num_tokens``."""
         cfg = self.config
-        fused = num_tokens <= self._tuning.fused_routing_max_tokens
+        self_routed = num_tokens <= self._tuning.self_routing_max_tokens and cfg.world_size <= SELF_ROUTING_MAX_WORLD
+        fused = not self_routed and num_tokens <= self._tuning.fused_routing_max_tokens
         most = self._tuning.fused_route_block if fused else self._tuning.route_block
         route_block = min(most, max(triton.next_power_of_2(num_tokens), MIN_ROUTE_TASK if fused else MIN_TILE))
         blocks = max(1, triton.cdiv(num_tokens, route_block))
@@ -337,7 +345,7 @@ class TritonProvider(EpProvider):
             "max_tokens": cfg.max_tokens_per_rank,
         }
         route_count = route = None
-        if not fused:
+        if not (fused or self_routed):
             route_count, route = self._routing_launches(blocks, route_block, routes, layout)
         if quantize:  # a tile is whole scale groups of the format's row in the table
             fmt = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value]
@@ -380,6 +388,8 @@ class TritonProvider(EpProvider):
                 "FP8": self.triton_fp8_type,
                 "EMAX": formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
                 "FUSED_ROUTING": fused,
+                "SELF_ROUTING": self_routed,
+                "ROUTE_CHUNK": min(self._tuning.self_route_chunk, triton.next_power_of_2(max(num_tokens, 1))),
                 "BLOCK_N": route_block,
                 "NBP": triton.next_power_of_2(blocks),
                 "COUNT_SPINS": COUNT_SPINS if self._sms else 0,

@@ -30,9 +30,9 @@ import triton.language as tl
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.kernels import transport
-from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
+from tests.helpers import routing_tuning
 
 REPO = Path(__file__).resolve().parents[2]
 KERNELS = [
@@ -104,10 +104,10 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return launches
 
 
-def _step(cfg: EpConfig, tokens: list[int], fused_routing: bool) -> None:
+def _step(cfg: EpConfig, tokens: list[int], routing: str) -> None:
     world = LoopbackWorld(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    # Routing blocks of 64 tokens, so that a 65-token batch spans two (and several tasks of 16 when fused).
-    world.set_kernel_tuning(KernelTuning(fused_routing_max_tokens=max(tokens) if fused_routing else 0, route_block=64))
+    # Routing blocks of 64 tokens, so that a 65-token batch spans two (and several tasks of 16 in the send).
+    world.set_kernel_tuning(routing_tuning(routing, max(tokens), route_block=64))
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(world.device) for n in tokens]
     ids = [torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.to(world.device) for n in tokens]
@@ -152,9 +152,10 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     for i, (dispatch, combine) in enumerate(PAIRS):
         cfg = EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=65, dispatch_dtype=dispatch, combine_dtype=combine,
                        mode=Mode.INTRANODE, provider="triton", fp8_dtype=torch.float8_e4m3fn)  # fmt: skip
-        _step(cfg, [65 if i == 0 else 1] + [1] * 7, fused_routing=True)
-        if i == 0:  # the routing kernels of a send that does not route, two passes included
-            _step(cfg, [65] + [1] * 7, fused_routing=False)
+        _step(cfg, [65 if i == 0 else 1] + [1] * 7, "self")
+        if i == 0:  # the routing tasks in the send, and the routing kernels (two passes) of one that does not route
+            _step(cfg, [65] + [1] * 7, "tasks")
+            _step(cfg, [65] + [1] * 7, "kernels")
     monkeypatch.undo()
     unique = [json.loads(u) for u in sorted({json.dumps(launch, sort_keys=True) for launch in launches})]
     assert {s["kernel"] for s in unique} == set(KERNELS)

@@ -1,10 +1,10 @@
 """What an eager step of the Triton provider costs the host, counted rather than timed: one kernel
-launch per call (the dispatch send routes in its own launch; past ``fused_routing_max_tokens`` the
-routing kernels run before it, with a count pass for a batch of several routing blocks), and, once a batch
-size has been seen, no torch
-operation at all in any call (no allocation, dtype conversion, contiguous copy, view or read of a
-device value), in every mode and wire format, at hidden 256 and 2880, for int32 and int64 ids. The
-benchmark's ``--eager`` flag times the same steps on a GPU.
+launch per call (the dispatch send routes in its own launch; past ``self_routing_max_tokens`` and
+``fused_routing_max_tokens`` the routing kernels run before it, with a count pass for a batch of several
+routing blocks), and, once a batch size has been seen, no torch operation at all in any call (no
+allocation, dtype conversion, contiguous copy, view or read of a device value), in every mode and wire
+format, at hidden 256 and 2880, for int32 and int64 ids. The benchmark's ``--eager`` flag times the
+same steps on a GPU.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.kernels import transport
-from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers.base import OUR_COMBINE_FORMATS
+from tests.helpers import routing_tuning
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="counts launches through Triton's interpreter (CPU); `bench --eager` on a GPU"
@@ -34,10 +34,10 @@ BATCHES = (3, 70)
 CALLS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
-def _launches_per_call(num_tokens: int, fused_routing_max_tokens: int) -> dict[str, int]:
-    """One kernel per call; past the fused routing's batch size, the routing (two passes past one
-    block) and the send."""
-    routing = 0 if num_tokens <= fused_routing_max_tokens else 1 if num_tokens <= ROUTE_BLOCK else 2
+def _launches_per_call(num_tokens: int, routed_in_send_up_to: int) -> dict[str, int]:
+    """One kernel per call; past the batch size the send routes itself, the routing kernels (two passes
+    past one block) and the send."""
+    routing = 0 if num_tokens <= routed_in_send_up_to else 1 if num_tokens <= ROUTE_BLOCK else 2
     return {"dispatch_send": routing + 1, "dispatch_recv": 1, "combine_send": 1, "combine_recv": 1}
 
 
@@ -161,18 +161,18 @@ def _recorded_step(
     return record
 
 
-@pytest.mark.parametrize("fused_routing_max_tokens", [CAPACITY, BATCHES[0], 0])
+@pytest.mark.parametrize(
+    ("routing", "routed_in_send_up_to"), [("self", CAPACITY), ("self", BATCHES[0]), ("tasks", CAPACITY), ("kernels", 0)]
+)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", [Mode.LOW_LATENCY, Mode.INTRANODE])
 def test_each_call_launches_its_kernels_and_runs_no_torch_op(
-    mode: Mode, ids_dtype: torch.dtype, fused_routing_max_tokens: int, kernel_runs: Counter
+    mode: Mode, ids_dtype: torch.dtype, routing: str, routed_in_send_up_to: int, kernel_runs: Counter
 ) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(mode))
     world.set_kernel_tuning(
-        KernelTuning(
-            fused_routing_max_tokens=fused_routing_max_tokens, route_block=ROUTE_BLOCK, fused_route_block=ROUTE_BLOCK
-        )
+        routing_tuning(routing, routed_in_send_up_to, route_block=ROUTE_BLOCK, fused_route_block=ROUTE_BLOCK)
     )
     reference = LoopbackWorld(_config(mode, Provider.TORCH))
     for n in BATCHES:  # the first step of a batch size binds its launches and views
@@ -180,7 +180,7 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
     for n in (*BATCHES, BATCHES[0]):
         batches = [_inputs(n, gen, ids_dtype) for _ in range(WORLD)]
         record = _recorded_step(world, reference, batches, _expert_outputs(gen), kernel_runs)
-        expected = _launches_per_call(n, fused_routing_max_tokens)
+        expected = _launches_per_call(n, routed_in_send_up_to)
         assert record.launches == {(call, r): expected[call] for call in CALLS for r in range(WORLD)}, n
         assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
         assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
@@ -194,7 +194,7 @@ def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
     world = LoopbackWorld(_config(Mode.LOW_LATENCY))
     reference = LoopbackWorld(_config(Mode.LOW_LATENCY, Provider.TORCH))
     n = BATCHES[1]
-    for send_launches, tuning in ((1, None), (3, KernelTuning(fused_routing_max_tokens=0, route_block=ROUTE_BLOCK))):
+    for send_launches, tuning in ((1, None), (3, routing_tuning("kernels", 0, route_block=ROUTE_BLOCK))):
         if tuning is not None:
             world.set_kernel_tuning(tuning)
         batches = [_inputs(n, gen, torch.int32) for _ in range(WORLD)]

@@ -21,6 +21,7 @@ from mori_sglang.providers import triton_provider
 from mori_sglang.providers.triton_provider import PeerTimeoutError
 from mori_sglang.routing import source_of_rows
 from mori_sglang.types import InputError
+from tests.helpers import ROUTING_REGIMES, routing_tuning
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -233,17 +234,59 @@ def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:
         _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
 
 
-def test_routing_over_several_blocks_numbers_tokens_across_blocks(rng: random.Random) -> None:
-    """Batches wider than a routing block take the two-pass route (count per block, then number)."""
+@pytest.mark.parametrize("routing", ROUTING_REGIMES)
+def test_routing_over_several_blocks_numbers_tokens_across_blocks(routing: str, rng: random.Random) -> None:
+    """Batches wider than a routing block, task or chunk: the routing kernels' two passes (count per
+    block, then number), tasks that wait for earlier blocks' counts, items that count several chunks of
+    earlier tokens."""
     max_tokens = 200
     worlds = {}
     for provider in ("torch", "triton"):
         cfg = replace(_config(world=2, provider=provider), max_tokens_per_rank=max_tokens)
         worlds[provider] = LoopbackWorld(cfg, DEVICE)
-    worlds["triton"].set_kernel_tuning(KernelTuning(route_block=64))
+    worlds["triton"].set_kernel_tuning(routing_tuning(routing, max_tokens, route_block=64, self_route_chunk=16))
     for counts in ([max_tokens, 130], [65, 0], [rng.randint(1, max_tokens), 64]):
         inputs = _inputs(worlds["torch"].ops[0].config, counts, rng.randrange(1 << 30))
         _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("routing", ROUTING_REGIMES)
+def test_every_routing_numbers_the_same_slots(routing: str, ids_dtype: torch.dtype, rng: random.Random) -> None:
+    """Each regime gives every copy the slot the torch provider gives it, for batch sizes on both sides
+    of a chunk of the routing made item by item (and of a task), none and a full one included, with
+    dropped ids, in rounds that reuse the buffers. The slots are what the combine reads back."""
+    chunk = 4 if ON_GPU else 2
+    max_tokens = 4 * chunk + 3
+    worlds = {}
+    for provider in ("torch", "triton"):
+        cfg = replace(_config(provider=provider, mode=Mode.LOW_LATENCY), max_tokens_per_rank=max_tokens)
+        worlds[provider] = LoopbackWorld(cfg, DEVICE)
+    worlds["triton"].set_kernel_tuning(routing_tuning(routing, max_tokens, self_route_chunk=chunk))
+    sizes = [0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk + 1, max_tokens]
+    for _ in range(3):
+        counts = [rng.choice(sizes) for _ in range(WORLD)]
+        xs, weights, ids = _inputs(worlds["torch"].ops[0].config, counts, rng.randrange(1 << 30))
+        ids = [i.to(ids_dtype) for i in ids]
+        got = _step(worlds["triton"], xs, weights, ids)
+        _assert_same(_step(worlds["torch"], xs, weights, ids), got, 0)
+        for op, n, out in zip(worlds["triton"].ops, counts, got[0], strict=True):
+            assert out.handle.num_tokens == n
+
+
+@pytest.mark.parametrize("world_size", [40, 65])
+def test_worlds_of_more_than_32_and_64_ranks_route_alike(world_size: int, rng: random.Random) -> None:
+    """A token's destinations fit a 64-bit word per token from 33 ranks on; past 64 ranks the send
+    does not route item by item, and the routing kernels number the same slots."""
+    worlds = {
+        provider: LoopbackWorld(
+            EpConfig(world_size, 0, 64, 2 * world_size, 6, max_tokens_per_rank=5, provider=provider), DEVICE
+        )
+        for provider in ("torch", "triton")
+    }
+    counts = [rng.randint(0, 5) for _ in range(world_size)]
+    inputs = _inputs(worlds["torch"].ops[0].config, counts, rng.randrange(1 << 30))
+    _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
 
 
 def test_a_rank_that_receives_nothing_and_programs_without_work_still_signal() -> None:
