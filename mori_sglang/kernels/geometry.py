@@ -30,7 +30,7 @@ class KernelTuning:
     # wait for: each work item counts the earlier tokens' destinations itself, ``self_route_chunk``
     # tokens at a time, a cost that grows with the batch (worlds of at most SELF_ROUTING_MAX_WORLD ranks).
     self_routing_max_tokens: int = 128
-    self_route_chunk: int = 32
+    self_route_chunk: int = 64
     route_block: int = 256  # tokens per routing program; larger batches get more programs
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
