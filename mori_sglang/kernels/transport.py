@@ -291,6 +291,15 @@ def _store_all(rows, start, offsets, values, mask, present, T: tl.constexpr, KP:
 
 
 @triton.jit
+def _destinations(ids, num_experts, num_local_experts):
+    """Expert ids as loaded (int32 or int64, -1 in masked-off slots) -> which route somewhere, and the
+    rank holding each (0 where an id routes nowhere). 32-bit from here on (an id that routes somewhere
+    fits): the routing's registers are the send's too."""
+    valid = (ids >= 0) & (ids < num_experts)
+    return valid, tl.where(valid, ids, 0).to(tl.int32) // num_local_experts
+
+
+@triton.jit
 def _tokens_to(
     ids_ptr, d, n0, num_tokens, num_experts, num_local_experts, K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -300,9 +309,8 @@ def _tokens_to(
     rows = n0 + tl.arange(0, BLOCK_N)
     mask = (rows < num_tokens)[:, None] & (k_offs < K)[None, :]
     ids = tl.load(ids_ptr + rows[:, None] * K + k_offs[None, :], mask=mask, other=-1)
-    # 32-bit from here on (an id that routes somewhere fits): the routing's registers are the send's too.
-    valid = (ids >= 0) & (ids < num_experts)
-    dest = tl.where(valid, tl.where(valid, ids, 0).to(tl.int32) // num_local_experts, -1)
+    valid, dest = _destinations(ids, num_experts, num_local_experts)
+    dest = tl.where(valid, dest, -1)
     here = (dest == d) & mask
     first = tl.min(tl.where(here, k_offs[None, :], KP), axis=1)
     goes = (first < KP).to(tl.int32)
@@ -593,12 +601,6 @@ def _bit_or(a, b):
 
 
 @triton.jit
-def _destinations(ids, valid, num_local_experts):
-    """Expert ids -> the rank holding each (int32), 0 where an id routes nowhere (masked by ``valid``)."""
-    return tl.where(valid, ids, 0).to(tl.int32) // num_local_experts
-
-
-@triton.jit
 def _tokens_before(
     ids_ptr,
     n,
@@ -618,9 +620,8 @@ def _tokens_before(
         tokens = t0 + tl.arange(0, CHUNK)
         mask = (tokens < n)[:, None] & (k_offs < K)[None, :]
         ids = tl.load(ids_ptr + tokens[:, None] * K + k_offs[None, :], mask=mask, other=-1)
-        valid = mask & (ids >= 0) & (ids < num_experts)
-        one = tl.full((CHUNK, KP), 1, BITS)
-        bits = tl.reduce(tl.where(valid, one << _destinations(ids, valid, num_local_experts).to(BITS), 0), 1, _bit_or)
+        valid, dest = _destinations(ids, num_experts, num_local_experts)
+        bits = tl.reduce(tl.where(valid, tl.full((CHUNK, KP), 1, BITS) << dest.to(BITS), 0), 1, _bit_or)
         counts += tl.sum(((bits[:, None] >> w_offs[None, :].to(BITS)) & 1).to(tl.int32), 0)
     return counts
 
@@ -654,8 +655,7 @@ def _self_route(
     w_offs = tl.arange(0, WP)
     k_mask = k_offs < K
     ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask, other=-1)
-    valid = k_mask & (ids >= 0) & (ids < num_experts)
-    dest = _destinations(ids, valid, num_local_experts)
+    valid, dest = _destinations(ids, num_experts, num_local_experts)
     # A token goes to a rank once, through its first slot whose expert lives there (the owner).
     same_earlier = (dest[:, None] == dest[None, :]) & valid[None, :] & (k_offs[None, :] < k_offs[:, None])
     owner = valid & (tl.max(same_earlier.to(tl.int32), 1) == 0)
