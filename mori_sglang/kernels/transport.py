@@ -629,7 +629,7 @@ def _tokens_before(
 @triton.jit
 def _self_route(
     ids_ptr,
-    peer_bases,
+    bases,
     slot_of_pair_ptr,
     send_counts_ptr,
     status_ptr,
@@ -648,9 +648,10 @@ def _self_route(
     CHUNK: tl.constexpr,
 ):
     """The byte address of token n's row in each destination's arena ([KP]; 0 for a slot that is not
-    its destination's owner), as ``_write_routes`` numbers them. Tile 0's item also writes the token's
-    ``slot_of_pair`` row and records an id past the last expert in ``status[1]``, and the last token's
-    writes ``send_counts``."""
+    its destination's owner), as ``_write_routes`` numbers them; ``bases`` holds every rank's arena
+    address ([WP], loaded once per program rather than once per item after its ids). Tile 0's item
+    also writes the token's ``slot_of_pair`` row and records an id past the last expert in
+    ``status[1]``, and the last token's writes ``send_counts``."""
     k_offs = tl.arange(0, KP)
     w_offs = tl.arange(0, WP)
     k_mask = k_offs < K
@@ -661,7 +662,7 @@ def _self_route(
     owner = valid & (tl.max(same_earlier.to(tl.int32), 1) == 0)
     before = _tokens_before(ids_ptr, n, num_experts, num_local_experts, K, KP, WP, CHUNK)
     position = tl.sum(tl.where(dest[:, None] == w_offs[None, :], before[None, :], 0), 1)
-    base = tl.load(peer_bases + dest, mask=owner, other=0)
+    base = tl.sum(tl.where(dest[:, None] == w_offs[None, :], bases[None, :], 0), 1)
     rows = tl.where(owner, base + (rank * max_tokens + position).to(tl.int64) * ROW_BYTES, 0)
     if tile == 0:
         slot = tl.where(owner, dest.to(tl.int64) * max_tokens + position, -1)
@@ -777,6 +778,9 @@ def dispatch_send_kernel(
     total = num_tokens * TILES
     TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
     x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
+    if SELF_ROUTING:  # every rank's arena address, once per program that has an item
+        w_offs = tl.arange(0, WP)
+        bases = tl.load(peer_bases + w_offs, mask=(w_offs < W) & (pid < total), other=0)
     if FUSED_ROUTING:
         target = tl.load(round_ptr) + 1  # this send's round: the last program advances round_ptr to it
         for task in range(pid, tl.maximum(tl.cdiv(num_tokens, BLOCK_N), 1) * W, tl.num_programs(0)):
@@ -796,6 +800,17 @@ def dispatch_send_kernel(
         x_next = _token_tile(x_ptr, following, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
         n = item // TILES
         tile = item % TILES
+        # Tile 0's other inputs, loaded before any store (the compiler cannot move a load past a store
+        # that may alias it): their memory round trip overlaps the routing's instead of following the
+        # token's stores.
+        first_pad = SCALE_WORDS if QUANT else 0
+        in_row = tl.arange(0, PAD_BLOCK)
+        region = (in_row >= first_pad) & (in_row < STRIDE_WORDS)
+        src = scales_ptr.to(tl.pointer_type(tl.int32)) + n * SCALE_WORDS + in_row
+        scale_words = tl.load(src, mask=region & (in_row < SCALE_WORDS) & (tile == 0), other=0)
+        weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask & (tile == 0)).to(tl.float32)
+        wire_ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask & (tile == 0))
+        wire_ids = tl.where((wire_ids >= 0) & (wire_ids < num_experts), wire_ids, -1).to(tl.int32)
         # The item's wire values first: they do not depend on the routing.
         if (QUANT == QUANT_FP8) or (QUANT == QUANT_MXFP8):  # noqa: SIM109  the kernel compares constexprs
             if QUANT == QUANT_FP8:
@@ -843,7 +858,7 @@ def dispatch_send_kernel(
             payload_in = payload_at < TOKEN_WORDS
         if SELF_ROUTING:
             rows = _self_route(
-                ids_ptr, peer_bases, slot_of_pair_ptr, send_counts_ptr, status_ptr, n, tile, num_tokens, num_experts,
+                ids_ptr, bases, slot_of_pair_ptr, send_counts_ptr, status_ptr, n, tile, num_tokens, num_experts,
                 num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, W, WP, ROUTE_CHUNK,
             )  # fmt: skip
         else:
@@ -862,17 +877,9 @@ def dispatch_send_kernel(
             _store_all(rows, SCALE_AT * 4, groups, scale_row, groups < NUM_GROUPS, present, TILE_GROUPS, KP)
         if tile == 0:
             # The scale region (copied, or its zero pad after the quantized scales) in one step.
-            first_pad = SCALE_WORDS if QUANT else 0
-            in_row = tl.arange(0, PAD_BLOCK)
-            region = (in_row >= first_pad) & (in_row < STRIDE_WORDS)
-            src = scales_ptr.to(tl.pointer_type(tl.int32)) + n * SCALE_WORDS + in_row
-            scale_words = tl.load(src, mask=region & (in_row < SCALE_WORDS), other=0)
             _store_all(rows, SCALE_AT * 4, in_row, scale_words, region, present, PAD_BLOCK, KP)
-            weights = tl.load(weights_ptr + n * K + k_offs, mask=k_mask).to(tl.float32)
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
-            ids = tl.load(ids_ptr + n * K + k_offs, mask=k_mask)
-            ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)
-            _store_all(rows, IDS_AT * 4, k_offs, ids, k_mask, present, KP, KP)
+            _store_all(rows, IDS_AT * 4, k_offs, wire_ids, k_mask, present, KP, KP)
     if SELF_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
         if (num_tokens == 0) & (pid == 0):  # no token's item counts: nothing goes anywhere
             tl.store(send_counts_ptr + tl.arange(0, WP), tl.zeros((WP,), tl.int64), mask=tl.arange(0, WP) < W)
@@ -1046,6 +1053,8 @@ def combine_send_kernel(
     pid = tl.program_id(0)
     w_offs = tl.arange(0, WP)
     counts = tl.load(recv_counts_ptr + w_offs, mask=w_offs < W, other=0)
+    # Every rank's arena address with the counts, not after them: a row's source is known only then.
+    bases = tl.load(peer_bases + w_offs, mask=w_offs < W, other=0)
     total = tl.sum(counts, 0)
     programs = tl.num_programs(0)
     if (pid == 0) & (total > y_rows):
@@ -1053,7 +1062,7 @@ def combine_send_kernel(
     for item in range(pid, total * ITEMS, programs):
         j = item // ITEMS
         src, pos = _source_of_row(counts, j, WP)
-        base = tl.load(peer_bases + src)
+        base = tl.sum(tl.where(w_offs == src, bases, 0), 0)
         dst = (base + combine_offset).to(tl.pointer_type(tl.uint8)) + (rank * max_tokens + pos) * ROW_STRIDE
         dst = tl.multiple_of(dst, ROW_ALIGN)
         first_block = (item % ITEMS) * ITEM_BLOCKS
