@@ -1,12 +1,15 @@
 """Kernels with the memory traffic of a transport phase and none of its arithmetic: they measure what a
 phase's access pattern allows on a device, the ceiling its "% of the copy roofline" is read against;
-and kernels that move (almost) nothing, for the cost of a launch on the host and on the device."""
+kernels that move (almost) nothing, for the cost of a launch on the host and on the device; and a
+dispatch send without rows, for what its synchronization adds to a kernel."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
+
+from mori_sglang.kernels.transport import _after_previous_kernel, _publish_dispatch, _take_ticket
 
 
 @triton.jit
@@ -50,3 +53,24 @@ def idle_probe_kernel(out_ptr, store_in: int, PDL: tl.constexpr):
         gdc_wait()
     if tl.program_id(0) == store_in:
         tl.store(out_ptr, 1)
+
+
+@triton.jit
+def send_end_probe_kernel(
+    tickets_ptr,
+    round_ptr,
+    peer_bases,
+    send_counts_ptr,
+    counts_offset,
+    arrivals_offset,
+    rank,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """A dispatch send without rows: each program takes its ticket and the last one publishes the
+    counts and the arrival, with the send's own code. Its device time less an idle kernel's is what
+    a send's synchronization adds to the kernel, whatever it moves."""
+    _after_previous_kernel(PDL)
+    if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
+        _publish_dispatch(round_ptr, peer_bases, send_counts_ptr, counts_offset, arrivals_offset, rank, W, WP)

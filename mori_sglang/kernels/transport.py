@@ -135,6 +135,18 @@ def _advance_round(round_ptr):
     tl.store(round_ptr + 2, 0)
 
 
+@triton.jit
+def _publish_dispatch(
+    round_ptr, peer_bases, send_counts_ptr, counts_offset, arrivals_offset, rank, W: tl.constexpr, WP: tl.constexpr
+):
+    """The end of a dispatch send, in the program that took its last ticket: the round advanced, this
+    rank's counts stored into every destination's arena, then its arrival signalled (after every row)."""
+    _advance_round(round_ptr)
+    counts, ranks = _peer_words(peer_bases, counts_offset, rank, W, WP)
+    tl.store(counts, tl.load(send_counts_ptr + tl.arange(0, WP), mask=ranks), mask=ranks)
+    _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
+
+
 # Which clock a receive's deadline reads (the CLOCK constexpr of the receive kernels).
 CLOCK_HOST = 0  # Triton's interpreter: the host's monotonic clock, in ns
 CLOCK_CUDA = 1  # NVIDIA: %globaltimer, in ns
@@ -884,10 +896,7 @@ def dispatch_send_kernel(
         if (num_tokens == 0) & (pid == 0):  # no token's item counts: nothing goes anywhere
             tl.store(send_counts_ptr + tl.arange(0, WP), tl.zeros((WP,), tl.int64), mask=tl.arange(0, WP) < W)
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
-        _advance_round(round_ptr)
-        counts, ranks = _peer_words(peer_bases, counts_offset, rank, W, WP)
-        tl.store(counts, tl.load(send_counts_ptr + tl.arange(0, WP), mask=ranks), mask=ranks)
-        _signal_arrival(peer_bases, arrivals_offset, rank, W, WP)
+        _publish_dispatch(round_ptr, peer_bases, send_counts_ptr, counts_offset, arrivals_offset, rank, W, WP)
 
 
 @triton.jit

@@ -14,7 +14,10 @@ nothing about a GPU.
 On a GPU a second table gives the floor under a phase's graph-replayed device time: the device µs per
 kernel of an idle kernel (``idle_probe_kernel``: no program moves anything) launched back to back in
 a CUDA graph, as the loopback benchmark replays a phase's kernels, for grids of one program to the
-most programs per SM the provider's kernels launch, with and without programmatic dependent launch.
+most programs per SM the provider's kernels launch, with and without programmatic dependent launch;
+and the same for a dispatch send without rows (``send_end_probe_kernel``: every program's ticket, the
+last one's counts and arrival signal to eight ranks), whose difference from the idle kernel is what a
+send's synchronization costs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ import torch
 from mori_sglang import cli
 from mori_sglang.kernels.geometry import multiprocessors
 from mori_sglang.kernels.launch import BoundLaunch, direct_launch
-from mori_sglang.kernels.probes import idle_probe_kernel, launch_probe_kernel, launch_probe_wide_kernel
+from mori_sglang.kernels.probes import (
+    idle_probe_kernel,
+    launch_probe_kernel,
+    launch_probe_wide_kernel,
+    send_end_probe_kernel,
+)
 from mori_sglang.providers.triton_provider import programmatic_launch
 from mori_sglang.tools.measure import graph_replay, host_us_per_call, time_phases, write_rows
 
@@ -90,23 +98,54 @@ def measure(device: torch.device, iters: int) -> list[LaunchCost]:
     return rows
 
 
+# The probes of the device floor: an idle kernel, and a dispatch send's end to this many ranks.
+FLOOR_KERNELS = ("idle", "dispatch send's end")
+SIGNALLED_RANKS = 8
+
+
 @dataclass
 class DeviceFloor:
+    kernel: str  # one of FLOOR_KERNELS
     programs: int
     programmatic_launch: bool
     device_us: float  # per kernel: the median over the replays of the graph's time / KERNELS_PER_GRAPH
 
 
+def _floor_probe(kernel: str, device: torch.device) -> tuple[object, dict[str, object], list[torch.Tensor]]:
+    """A floor probe, its fixed arguments, and the buffers its arguments address (a launch holds
+    addresses, not tensors: the caller keeps these alive while it launches). The send's end signals
+    SIGNALLED_RANKS arenas of its own (int64 words: the counts, then the arrivals), as a loopback rank
+    signals its peers."""
+    if kernel == "idle":
+        out = torch.zeros(1, dtype=torch.int64, device=device)
+        return idle_probe_kernel, {"out_ptr": out, "store_in": -1}, [out]
+    words = torch.zeros(SIGNALLED_RANKS, 2 * SIGNALLED_RANKS, dtype=torch.int64, device=device)
+    args = {
+        "tickets_ptr": torch.zeros(1, dtype=torch.int32, device=device),
+        "round_ptr": torch.zeros(3, dtype=torch.int64, device=device),
+        "peer_bases": torch.tensor([row.data_ptr() for row in words], dtype=torch.int64, device=device),
+        "send_counts_ptr": torch.arange(SIGNALLED_RANKS, dtype=torch.int64, device=device),
+        "counts_offset": 0,
+        "arrivals_offset": 8 * SIGNALLED_RANKS,
+        "rank": 0,
+        "W": SIGNALLED_RANKS,
+        "WP": SIGNALLED_RANKS,
+    }
+    return send_end_probe_kernel, args, [words, *(v for v in args.values() if isinstance(v, torch.Tensor))]
+
+
 def measure_device_floor(device: torch.device, replays: int) -> list[DeviceFloor]:
-    """Device µs per idle kernel in graph replay, per grid and launch mode (GPU only)."""
+    """Device µs per probe kernel in graph replay, per probe, launch mode and grid (GPU only)."""
     sms = multiprocessors(device)
     grids = [1, sms, *(per_sm * sms for per_sm in PROGRAMS_PER_SM)]
-    out = torch.zeros(1, dtype=torch.int64, device=device)
     rows = []
-    for pdl in (False, True) if programmatic_launch(device) else (False,):
+    for name, pdl in [
+        (k, p) for k in FLOOR_KERNELS for p in ((False, True) if programmatic_launch(device) else (False,))
+    ]:
+        kernel, args, _buffers = _floor_probe(name, device)
         options = {"num_warps": 1, "PDL": pdl, **({"launch_pdl": True} if pdl else {})}
         for programs in grids:
-            launch = BoundLaunch(idle_probe_kernel, device, (programs,), {"out_ptr": out, "store_in": -1}, options)
+            launch = BoundLaunch(kernel, device, (programs,), args, options)
             launch()  # compiles
 
             def back_to_back(launch: BoundLaunch = launch) -> None:
@@ -116,13 +155,15 @@ def measure_device_floor(device: torch.device, replays: int) -> list[DeviceFloor
             replay = graph_replay(back_to_back)
             replay()
             times = [seconds * 1e6 / KERNELS_PER_GRAPH for seconds in time_phases([replay], device, replays)[0]]
-            rows.append(DeviceFloor(programs, pdl, statistics.median(times)))
+            rows.append(DeviceFloor(name, programs, pdl, statistics.median(times)))
     return rows
 
 
 def floor_markdown(rows: list[DeviceFloor]) -> str:
-    lines = ["| programs | programmatic launch | device µs per kernel |", "| ---: | --- | ---: |"]
-    lines += [f"| {r.programs} | {'yes' if r.programmatic_launch else 'no'} | {r.device_us:.2f} |" for r in rows]
+    lines = ["| kernel | programs | programmatic launch | device µs per kernel |", "| --- | ---: | --- | ---: |"]
+    lines += [
+        f"| {r.kernel} | {r.programs} | {'yes' if r.programmatic_launch else 'no'} | {r.device_us:.2f} |" for r in rows
+    ]
     return "\n".join(lines)
 
 

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from mori_sglang import cli
-from mori_sglang.kernels.probes import idle_probe_kernel, launch_probe_kernel, launch_probe_wide_kernel
+from mori_sglang.kernels.probes import (
+    idle_probe_kernel,
+    launch_probe_kernel,
+    launch_probe_wide_kernel,
+    send_end_probe_kernel,
+)
 from mori_sglang.tools import launch_cost
 
 pytestmark = pytest.mark.skipif(
@@ -33,6 +38,25 @@ def test_the_probes_store_their_word() -> None:
     assert out.item() == 1
 
 
+def test_the_send_end_probe_publishes_like_a_send_and_leaves_its_ticket_at_zero() -> None:
+    """Every launch: the counter of tickets back to 0, the round one further, this rank's counts in
+    every rank's words and its arrival one higher there (the words start poisoned)."""
+    kernel, args, _buffers = launch_cost._floor_probe("dispatch send's end", DEVICE)
+    assert kernel is send_end_probe_kernel
+    ranks = launch_cost.SIGNALLED_RANKS
+    words = _buffers[0]
+    words.fill_(-5)
+    args = {**args, "rank": 3, "send_counts_ptr": torch.randint(0, 100, (ranks,), device=DEVICE)}
+    for launched in (1, 2):
+        send_end_probe_kernel[(3,)](**args, PDL=False)
+        assert args["tickets_ptr"].item() == 0
+        assert args["round_ptr"][0].item() == launched
+        assert torch.equal(words[:, 3], args["send_counts_ptr"])
+        assert torch.equal(words[:, ranks + 3], torch.full((ranks,), -5 + launched, device=DEVICE))
+    others = [r for r in range(ranks) if r != 3]
+    assert (words[:, others] == -5).all() and (words[:, [ranks + r for r in others]] == -5).all()
+
+
 def test_cli_prints_every_path_for_both_kernels(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     rows = launch_cost.main(["--iters", "2", "--device", DEVICE.type, "--json", str(tmp_path / "rows.json")])
     paths = ["Triton JIT (kernel[grid](...))", "BoundLaunch, fixed arguments", "BoundLaunch, one tensor per launch"]
@@ -53,13 +77,17 @@ def test_the_device_floor_covers_every_grid_and_launch_mode() -> None:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     grids = [1, sms, *(per_sm * sms for per_sm in launch_cost.PROGRAMS_PER_SM)]
     modes = sorted({r.programmatic_launch for r in rows})
-    assert [(r.programs, r.programmatic_launch) for r in rows] == [(g, m) for m in modes for g in grids]
+    want = [(k, g, m) for k in launch_cost.FLOOR_KERNELS for m in modes for g in grids]
+    assert [(r.kernel, r.programs, r.programmatic_launch) for r in rows] == want
     assert all(r.device_us > 0 for r in rows)
 
 
 def test_the_floor_table_has_a_row_per_grid_and_mode() -> None:
-    rows = [launch_cost.DeviceFloor(1, False, 2.214), launch_cost.DeviceFloor(6336, True, 4.88)]
-    assert launch_cost.floor_markdown(rows).splitlines()[2:] == ["| 1 | no | 2.21 |", "| 6336 | yes | 4.88 |"]
+    rows = [launch_cost.DeviceFloor("idle", 1, False, 2.214), launch_cost.DeviceFloor("idle", 6336, True, 4.88)]
+    assert launch_cost.floor_markdown(rows).splitlines()[2:] == [
+        "| idle | 1 | no | 2.21 |",
+        "| idle | 6336 | yes | 4.88 |",
+    ]
 
 
 def test_on_a_cpu_without_the_interpreter_the_cli_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
