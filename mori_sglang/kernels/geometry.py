@@ -51,6 +51,11 @@ class KernelTuning:
     dispatch_recv_bytes_per_sm: int = 32768
     combine_send_programs_per_sm: int = 32  # idle programs exit at once; one row or tile per item
     combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
+    # Under programmatic dependent launch, a kernel of at most this many programs lets the kernel after
+    # it launch as soon as its own wait for the kernel before is over (0: none does; the routing kernels
+    # always do). Measured once on an H200: faster small steps, slower 4096-token ones when every
+    # kernel did it (docs/performance.md).
+    early_launch_max_programs: int = 0
 
     def dispatch_recv_programs_per_sm(self, row_bytes: int) -> int:
         """Programs per SM of the dispatch receive: the rows that fit in ``dispatch_recv_bytes_per_sm``,
@@ -66,6 +71,8 @@ class KernelTuning:
                 f"KernelTuning.send_warps={self.send_warps} with fused routing: the routing's waits read each "
                 "poll as one value in a single warp; use send_warps=1 or fused_routing_max_tokens=0"
             )
+        if self.early_launch_max_programs < 0:
+            raise ValueError(f"KernelTuning.early_launch_max_programs={self.early_launch_max_programs}: must be >= 0")
         if self.dispatch_recv_bytes_per_sm <= 0:
             raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
         for name in TILE_FIELDS:

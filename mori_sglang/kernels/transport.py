@@ -24,6 +24,8 @@ that kernel (its end and its writes) before touching memory, so a kernel's end s
 of everything before it. The launch and the programs' start overlap the kernel before instead of
 following it. The routing kernels also let the kernel after them launch as soon as their own wait is
 over: the dispatch send starts while the routing runs, and waits for it before reading its output.
+The other kernels do so where the provider launches them with PDL_EARLY (``KernelTuning``
+``early_launch_max_programs``: grids of at most that many programs).
 ``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
 
 The routing (each copy's destination slot) runs inside the dispatch send for small batches, so that a
@@ -82,12 +84,23 @@ def _take_ticket(tickets_ptr, done, total):
     return last
 
 
+# The PDL constexpr of every kernel: launched without programmatic dependent launch, under it, or under
+# it and letting the kernel after it launch once this one's wait is over.
+PDL_OFF = 0
+PDL_WAIT = 1
+PDL_EARLY = 2
+
+
 @triton.jit
 def _after_previous_kernel(PDL: tl.constexpr):
     """Under programmatic dependent launch: wait until the kernel before this one in the stream has
-    finished and its writes are visible. Every program calls it before its first memory access."""
+    finished and its writes are visible. Every program calls it before its first memory access. With
+    PDL_EARLY the kernel after it may then launch: it waits in turn for this one's end before touching
+    memory, and releasing it only after this wait keeps at most two grids of the stream in flight."""
     if PDL:
         gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -11,6 +11,7 @@ Python, and runs no torch operation at all for inputs in the documented layout.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NoReturn
@@ -182,7 +183,11 @@ class TritonProvider(EpProvider):
         self._tuning = KernelTuning()
         self._sms = multiprocessors(device)
         # Every launch takes these: the kernels' PDL switch and the launch option go together (transport docs).
-        self._pdl_launch = {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
+        self._pdl_launch = (
+            {"PDL": transport.PDL_WAIT, "launch_pdl": True}
+            if programmatic_launch(device)
+            else {"PDL": transport.PDL_OFF}
+        )
         combine_bytes = formats.combine_row_bytes(config.combine_dtype, config.hidden, config.combine_block)
         self.arena_layout = ArenaLayout(
             config.world_size, config.max_tokens_per_rank, layout.row_bytes, formats.align(combine_bytes)
@@ -253,7 +258,10 @@ class TritonProvider(EpProvider):
         return sum(launch.launches for launch in bound.values())
 
     def _bind(self, kernel, grid: tuple[int, ...], args: dict, options: dict, variable=()) -> BoundLaunch:
-        return BoundLaunch(kernel, self.device, grid, args, {**options, **self._pdl_launch}, variable)
+        pdl = self._pdl_launch
+        if pdl["PDL"] and math.prod(grid) <= self._tuning.early_launch_max_programs:
+            pdl = {**pdl, "PDL": transport.PDL_EARLY}
+        return BoundLaunch(kernel, self.device, grid, args, {**options, **pdl}, variable)
 
     # -- bookkeeping --------------------------------------------------------------------------
 

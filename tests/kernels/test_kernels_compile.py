@@ -139,10 +139,10 @@ def _with_clock(spec: dict, clock: int) -> dict:
     return {**spec, "constants": {**spec["constants"], "CLOCK": clock}}
 
 
-def _as_hopper_launch(spec: dict) -> dict:
-    """The same launch as a Hopper GPU makes it: under programmatic dependent launch, which the
-    interpreter cannot run."""
-    return {**spec, "constants": {**spec["constants"], "PDL": True}, "options": {**spec["options"], "launch_pdl": True}}
+def _as_hopper_launch(spec: dict, pdl: int = transport.PDL_WAIT) -> dict:
+    """The same launch as a Hopper GPU makes it: under programmatic dependent launch (``pdl``: waiting
+    for the kernel before, or also letting the next one launch early), which the interpreter cannot run."""
+    return {**spec, "constants": {**spec["constants"], "PDL": pdl}, "options": {**spec["options"], "launch_pdl": True}}
 
 
 @pytest.mark.slow
@@ -159,8 +159,8 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     monkeypatch.undo()
     unique = [json.loads(u) for u in sorted({json.dumps(launch, sort_keys=True) for launch in launches})]
     assert {s["kernel"] for s in unique} == set(KERNELS)
-    assert all(s["constants"]["PDL"] is False for s in unique)
-    hopper = [_as_hopper_launch(s) for s in unique]
+    assert all(s["constants"]["PDL"] == transport.PDL_OFF for s in unique)
+    hopper = [_as_hopper_launch(s, pdl) for pdl in (transport.PDL_WAIT, transport.PDL_EARLY) for s in unique]
     specs = {
         "sm_90": [_with_clock(s, transport.CLOCK_CUDA) for s in unique + hopper],
         "gfx942": [_with_clock(_as_fnuz(s), transport.CLOCK_HIP) for s in unique],
@@ -181,10 +181,13 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     assert report["compiled"] == sum(len(v) for v in specs.values())
     narrow = [f"{k}: {v}" for k, v in report["byte_wide"].items() if k.split(" ")[0] in ROW_COPIES and v]
     assert not narrow, "byte-wide global accesses in sm_90 row copies:\n" + "\n".join(narrow)
-    # Every kernel waits for the one before it; only the routing lets the next one launch early.
+    # Every kernel waits for the one before it; the routing, and any kernel launched with PDL_EARLY, lets
+    # the next one launch early.
     controls = list(report["grid_control"].values())
     assert [c["instructions"] for c in controls[: len(unique)]] == [[]] * len(unique)
     for spec, control in zip(hopper, controls[len(unique) :], strict=True):
-        routing = spec["kernel"] in ("route_count_kernel", "route_kernel")
-        assert control["instructions"] == (["launch_dependents", "wait"] if routing else ["wait"]), spec["kernel"]
+        early = (
+            spec["kernel"] in ("route_count_kernel", "route_kernel") or spec["constants"]["PDL"] == transport.PDL_EARLY
+        )
+        assert control["instructions"] == (["launch_dependents", "wait"] if early else ["wait"]), spec["kernel"]
         assert control["waits_first"], f"{spec['kernel']} touches global memory before its grid wait"

@@ -14,7 +14,7 @@ import torch
 
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
-from mori_sglang.kernels import interpreter
+from mori_sglang.kernels import interpreter, transport
 from mori_sglang.kernels.geometry import DISPATCH_RECV_PROGRAMS_PER_SM, KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
@@ -397,6 +397,30 @@ def test_programmatic_launch_only_where_graphs_keep_it(
     assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is expected
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_provider.programmatic_launch(torch.device("cuda", 0)) is False
+
+
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_only_grids_up_to_the_tuned_size_let_the_next_kernel_launch_early(
+    monkeypatch: pytest.MonkeyPatch, programmatic: bool
+) -> None:
+    """Under programmatic launch a kernel binds with PDL_EARLY where its grid has at most
+    ``early_launch_max_programs`` programs, PDL_WAIT otherwise (and with the default, 0); without
+    programmatic launch always PDL_OFF. Nothing is launched: the bound options are what a GPU would get."""
+    monkeypatch.setattr(triton_provider, "programmatic_launch", lambda device: programmatic)
+    provider = LoopbackWorld(_config(2, provider="triton"), DEVICE).ops[0].provider
+    kernel = transport.combine_recv_kernel
+
+    def pdl(grid: tuple[int, ...]) -> int:
+        launch = provider._bind(kernel, grid, {}, {}, variable=tuple(kernel.arg_names[:-1]))
+        return launch._jit_kwargs["PDL"]
+
+    wait = transport.PDL_WAIT if programmatic else transport.PDL_OFF
+    early = transport.PDL_EARLY if programmatic else transport.PDL_OFF
+    assert [pdl((1,)), pdl((1000,))] == [wait, wait]
+    provider.set_kernel_tuning(KernelTuning(early_launch_max_programs=6))
+    assert [pdl((1,)), pdl((6,)), pdl((7,)), pdl((2, 3)), pdl((2, 4))] == [early, early, wait, early, wait]
+    with pytest.raises(ValueError, match="early_launch_max_programs=-1"):
+        KernelTuning(early_launch_max_programs=-1)
 
 
 def _fp8_types(backend: str, arch: int | str) -> tuple[str, ...]:
