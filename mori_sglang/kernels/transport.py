@@ -99,7 +99,7 @@ def _after_previous_kernel(PDL: tl.constexpr):
     memory, and releasing it only after this wait keeps at most two grids of the stream in flight."""
     if PDL:
         gdc_wait()
-    if PDL == 2:
+    if PDL == 2:  # PDL_EARLY (a plain int: the kernels read only constexpr globals)
         gdc_launch_dependents()
 
 
