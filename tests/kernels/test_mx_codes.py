@@ -69,9 +69,12 @@ def test_scaling_by_the_inverse_power_of_two_matches_the_reference_division(rng:
     amax = _every_bf16_value().abs().unique()
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     top = torch.where(amax.isinf(), torch.finfo(torch.float32).max, amax)
-    shrink = torch.exp2(-torch.randint(0, 161, amax.shape, generator=gen).float())
-    x = top * torch.rand(amax.shape, generator=gen) * shrink * torch.randn(amax.shape, generator=gen).sign()
-    x = torch.where(amax.isinf(), amax * x.sign(), x).bfloat16().float()
+    # 2^-160 is no f32: shrink in two halves so that a large magnitude keeps its small quotient.
+    steps = torch.randint(0, 161, amax.shape, generator=gen)
+    sign = torch.randn(amax.shape, generator=gen).sign()
+    x = top * torch.rand(amax.shape, generator=gen) * sign
+    x = x * torch.exp2(-(steps // 2).float()) * torch.exp2(-(steps - steps // 2).float())
+    x = torch.where(amax.isinf(), amax * sign, x).bfloat16().float()
     mx_formats = [(DispatchDtype.MXFP4, torch.float8_e4m3fn)]
     mx_formats += [(DispatchDtype.MXFP8, fp8) for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)]
     for dtype, fp8_dtype in mx_formats:
