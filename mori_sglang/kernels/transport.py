@@ -250,6 +250,13 @@ def _copy_words(dst, src, n_words, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_start(row, ROW_ELEMENTS: tl.constexpr):
+    """Where row ``row`` of a dense ``[rows, ROW_ELEMENTS]`` tensor starts, in elements, as int64: a
+    batch's elements pass int32 (at hidden 7168 from 299,594 tokens) long before its rows do."""
+    return row.to(tl.int64) * ROW_ELEMENTS
+
+
+@triton.jit
 def _source_of_row(counts, j, WP: tl.constexpr):
     """Row j of the compact receive order -> (source rank, position within that source)."""
     ends = tl.cumsum(counts, 0)
@@ -720,10 +727,10 @@ def _token_tile(
     if QUANT == QUANT_NONE:
         word = tile * BLOCK + tl.arange(0, BLOCK)
         words = x_ptr.to(tl.pointer_type(tl.int32))
-        return tl.load(words + n * TOKEN_WORDS + word, mask=(word < TOKEN_WORDS) & (item < total))
+        return tl.load(words + _row_start(n, TOKEN_WORDS) + word, mask=(word < TOKEN_WORDS) & (item < total))
     else:
         elem = tile * TILE_ELEMS + tl.arange(0, TILE_ELEMS)
-        return tl.load(x_ptr + n * HIDDEN + elem, mask=(elem < HIDDEN) & (item < total), other=0.0)
+        return tl.load(x_ptr + _row_start(n, HIDDEN) + elem, mask=(elem < HIDDEN) & (item < total), other=0.0)
 
 
 @triton.jit
@@ -1089,7 +1096,7 @@ def combine_send_kernel(
         dst = tl.multiple_of(dst, ROW_ALIGN)
         first_block = (item % ITEMS) * ITEM_BLOCKS
         _quantize_blocks(
-            y_ptr + tl.minimum(j, y_rows - 1).to(tl.int64) * HIDDEN,
+            y_ptr + _row_start(tl.minimum(j, y_rows - 1), HIDDEN),
             dst,
             first_block,
             j < y_rows,
@@ -1169,4 +1176,4 @@ def combine_recv_kernel(
                         s = tl.where(flagged, tl.abs(s), 1.0)
                     v = v * s[:, None]
             acc = acc + v  # masked lanes hold 0 (or are never stored)
-        tl.store(out_ptr + n * HIDDEN + elem, acc.to(tl.bfloat16), mask=mask)
+        tl.store(out_ptr + _row_start(n, HIDDEN) + elem, acc.to(tl.bfloat16), mask=mask)
