@@ -19,6 +19,10 @@ def input_signature(*tensors: torch.Tensor | None) -> tuple:
     return tuple([None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
 
 
+# The router's weights as servers hand them over; each travels as f32.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def check_dispatch_shapes(
     config: EpConfig,
     layout: formats.DispatchRowLayout,
@@ -69,13 +73,18 @@ def check_dispatch_dtypes(
     layout: formats.DispatchRowLayout,
     payload_dtype: torch.dtype,
     x: torch.Tensor,
+    weights: torch.Tensor,
     scales: torch.Tensor | None,
     ids: torch.Tensor,
 ) -> None:
-    """Integer ids; bf16 tokens of the op's hidden, or pre-quantized wire tokens of the format's row
-    size with their scale rows of the op's scale bytes."""
+    """Integer ids; floating weights (f32, or 16-bit and f64 ones that travel converted to f32); bf16
+    tokens of the op's hidden, or pre-quantized wire tokens of the format's row size with their scale
+    rows of the op's scale bytes."""
     if ids.dtype not in (torch.int32, torch.int64):
         raise InputError(f"topk_ids must be int32 or int64, got {ids.dtype}")
+    if weights.dtype not in WEIGHT_DTYPES:
+        names = ", ".join(str(d) for d in WEIGHT_DTYPES)
+        raise InputError(f"topk_weights must be one of {names} (they travel as f32), got {weights.dtype}")
     accepted = {torch.bfloat16, payload_dtype}
     if config.dispatch_dtype is DispatchDtype.MXFP4:
         accepted.add(torch.float4_e2m1fn_x2)

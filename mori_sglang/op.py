@@ -104,7 +104,7 @@ class EpDispatchCombineOp:
         if signature != self._checked_dispatch:
             check_dispatch_shapes(self.config, self.layout, x, weights, scales, ids)
             check_capacity(self.config, x.shape[0])
-            check_dispatch_dtypes(self.config, self.layout, self.payload_dtype, x, scales, ids)
+            check_dispatch_dtypes(self.config, self.layout, self.payload_dtype, x, weights, scales, ids)
             check_tokens_the_op_quantizes(self.config, self.layout, self._format_scale_bytes, x, scales)
             check_devices(self.device, tokens=x, topk_weights=weights, topk_ids=ids, scales=scales)
             self._checked_dispatch = signature
@@ -182,6 +182,10 @@ class EpDispatchCombineOp:
             check_expert_outputs(self.config, y)
             check_devices(self.device, expert_outputs=y)
             self._checked_combine = signature
+        if not isinstance(handle, CombineHandle):
+            raise InputError(
+                f"combine takes the handle of a dispatch (DispatchOutput.handle), got {type(handle).__name__}"
+            )
         if handle.issuer != self.ident:
             raise InputError(
                 "the combine handle comes from another op's dispatch: pass the handle of this op's dispatch"
@@ -237,6 +241,8 @@ def _normalize_device(device: torch.device | str | None) -> torch.device:
         raise ConfigError(f"device={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"device={str(device)!r}: the op runs on 'cpu' or a GPU ('cuda', 'cuda:N')")
+    if device.type == "cpu":
+        return torch.device("cpu")  # CPU tensors carry no index: "cpu:0" would refuse every input
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device={str(device)!r}: this torch sees no GPU; use device='cpu'")

@@ -116,6 +116,16 @@ def test_small_hidden_tails_on_both_providers(
         _check_both_providers(scn)
 
 
+@pytest.mark.parametrize("combine", [CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE])
+@pytest.mark.parametrize("block", [2880, 2881, 2**21 + 1])
+def test_a_combine_block_as_long_as_the_row_or_longer(combine: CombineDtype, block: int, seed: int) -> None:
+    """One block over the whole row, however long ``combine_block`` says it is (past Triton's largest
+    tensor too): both providers give the same bytes."""
+    scn = Scenario(world=2, tokens=(2, 3), hidden=2880, topk=2, experts=4, combine=combine, combine_block=block,
+                   mode=Mode.LOW_LATENCY, seed=seed)  # fmt: skip
+    _check_both_providers(scn)
+
+
 @pytest.mark.parametrize("combine", COMBINES)
 def test_scale_dim_that_does_not_divide_hidden(combine: CombineDtype, seed: int) -> None:
     """MORI_FP8_COMBINE_SCALE_DIM=7 at hidden 2880: blocks of 412, the last of 408. The blockwise formats
@@ -367,6 +377,25 @@ def test_a_combine_with_another_ops_handle_is_refused(provider: str) -> None:
         other.ops[0].combine_send(_identity(outs)[0], outs[0].handle)
     with pytest.raises(InputError, match="another op's dispatch"):
         world.ops[1].combine_send(_identity(outs)[0], outs[0].handle)  # rank 0's handle on rank 1
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_a_combine_given_something_else_than_a_handle_is_refused(provider: str) -> None:
+    """The dispatch's output itself, or None, where its ``.handle`` belongs: an error saying what to pass,
+    and the world combines right afterwards."""
+    cfg = EpConfig(2, 0, 128, 4, 2, max_tokens_per_rank=3, provider=provider)
+    world = LoopbackWorld(cfg, DEVICE)
+    batch = _batch(cfg, 3, 3)
+    outs = _dispatch(world, *batch)
+    ys = _identity(outs)
+    for wrong in (outs[0], None):
+        with pytest.raises(InputError, match=rf"DispatchOutput.handle\), got {type(wrong).__name__}"):
+            world.ops[0].combine_send(ys[0], wrong)
+    combined = world.combine(ys, [o.handle for o in outs])
+    reference_world = LoopbackWorld(replace(cfg, provider="torch"), DEVICE)
+    reference_outs = _dispatch(reference_world, *batch)
+    reference = reference_world.combine(_identity(reference_outs), [o.handle for o in reference_outs])
+    assert all(torch.equal(c, r) for c, r in zip(combined, reference, strict=True))
 
 
 class _ResendingOp:
@@ -752,6 +781,16 @@ def test_a_device_the_op_cannot_run_on_is_refused_by_name(device: str, match: st
         LoopbackWorld(cfg, device)
     with pytest.raises(ConfigError, match=match):
         EpDispatchCombineOp(cfg, device=device)
+
+
+def test_a_cpu_device_with_an_index_takes_cpu_tensors() -> None:
+    """"cpu:0" names the CPU; CPU tensors carry no index, so an op that kept it refused every input."""
+    cfg = EpConfig(2, 0, 64, 4, 2, max_tokens_per_rank=2, provider="torch")
+    world = LoopbackWorld(cfg, "cpu:0")
+    assert world.ops[0].device == torch.device("cpu")
+    batch = _batch(cfg, 2, 4)
+    outs = _dispatch(world, *[[t.cpu() for t in ts] for ts in batch])
+    assert sum(o.num_recv for o in outs) > 0
 
 
 OTHER_DEVICE = torch.device("cpu") if ON_GPU else torch.device("meta")

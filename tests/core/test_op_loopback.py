@@ -249,6 +249,9 @@ def test_expert_id_out_of_range(id_dtype: torch.dtype) -> None:
         ("scales", lambda i: i.scales[:3], "3 rows for 4 tokens"),
         ("scales", lambda i: torch.zeros(4, 2, dtype=torch.int32), "scale rows must be 4 B"),
         ("ids", lambda i: i.ids.float(), "int32 or int64"),
+        ("weights", lambda i: i.weights.to(torch.complex64), "topk_weights must be one of .* got torch.complex64"),
+        ("weights", lambda i: i.weights > 0.5, "topk_weights must be one of .* got torch.bool"),
+        ("weights", lambda i: (i.weights * 100).long(), "topk_weights must be one of .* got torch.int64"),
     ],
 )
 def test_bad_shapes_and_dtypes(field: str, make: Callable[[RankInputs], torch.Tensor], match: str) -> None:
