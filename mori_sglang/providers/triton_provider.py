@@ -541,10 +541,12 @@ class TritonProvider(EpProvider):
 
     @property
     def _combine_block(self) -> int:
-        """Elements per block: the scale block of blockwise formats, a fixed tile for the others."""
+        """Elements per block: the scale block of blockwise formats, a fixed tile for the others. A block
+        longer than the row is the row (the same one block and scale), so that the kernels' block
+        vector stays within the row however large ``combine_block`` is."""
         if not wire_formats.COMBINE_BY_NAME[self.config.combine_dtype.value].block_scaled:
             return UNSCALED_COMBINE_BLOCK
-        return self.config.combine_block
+        return min(self.config.combine_block, self.config.hidden)
 
     def _combine_meta(self, tile: int) -> dict[str, object]:
         cfg = self.config
