@@ -10,9 +10,11 @@ bug of ours.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import torch
@@ -60,6 +62,20 @@ def at_least(minimum: float, kind: Callable[[str], float] = int) -> Callable[[st
 
 positive_int = at_least(1)
 non_negative_int = at_least(0)
+
+
+def output_file(text: str) -> str:
+    """An argparse type for a file a command writes when it ends (``--json``, ``--plot``): refused at
+    once, not after a run of minutes, where its folder is missing or not writable or it is a folder."""
+    path = Path(text)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return text
 
 
 def port(text: str) -> int:

@@ -258,7 +258,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--input", default=INPUTS[0], choices=INPUTS, help="token distribution (default: lognormal, heavy-tailed)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="also write the table and its settings as JSON here")
+    parser.add_argument("--json", type=cli.output_file, help="also write the table and its settings as JSON here")
     args = parser.parse_args(argv)
     device = cli.resolve_device(args.device)
     args.device = str(device)
@@ -311,8 +311,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(LEGEND)
     if args.json is not None:
         skip = {"configs"}
-        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}
-        args.json.write_text(json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+        settings = {k: v for k, v in vars(args).items() if k not in skip}
+        Path(args.json).write_text(
+            json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

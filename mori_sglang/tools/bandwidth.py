@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[Pattern]:
     )
     parser.add_argument("--iters", type=cli.positive_int, default=20)
     parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", type=cli.output_file, help="write the rows here")
     args = parser.parse_args(argv)
     bad = [d for d in args.fan_out if d & (d - 1)]
     if bad:

@@ -16,6 +16,7 @@ made (``EagerRow``), next to the graph numbers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -261,9 +262,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "--eager", action="store_true", help="also report host µs, device µs and launches of eager steps per rank"
     )
     parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--plot", help="write a bar chart (PNG) here")
+    parser.add_argument("--json", type=cli.output_file, help="write the rows here")
+    parser.add_argument("--plot", type=cli.output_file, help="write a bar chart (PNG) here")
     args = parser.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
 
     device = cli.resolve_device(args.device)
     provider = Provider(args.provider)

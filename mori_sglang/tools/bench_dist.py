@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     add_workload_args(parser)
     parser.add_argument("--provider", default="auto", choices=[p.value for p in Provider])
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", help="rank 0 writes the rows here")
+    parser.add_argument("--json", type=cli.output_file, help="rank 0 writes the rows here")
     args = parser.parse_args(argv)
     missing = [name for name in TORCHRUN_ENV if name not in os.environ]
     if missing:

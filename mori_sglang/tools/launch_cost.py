@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> list[LaunchCost]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=cli.positive_int, default=200, help="launches per timed repeat")
     parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", type=cli.output_file, help="write the rows here")
     args = parser.parse_args(argv)
     device = cli.resolve_device(args.device)
     cli.check_triton_runs(device, "python -m mori_sglang.tools.launch_cost")

@@ -212,15 +212,15 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--hidden", type=cli.positive_int, default=7168)
     parser.add_argument("--topk", type=cli.positive_int, default=8)
     parser.add_argument("--experts", type=cli.positive_int, default=256)
-    parser.add_argument("--dispatch-dtype", default="fp8")
-    parser.add_argument("--combine-dtype", default="bf16")
+    parser.add_argument("--dispatch-dtype", type=cli.dispatch_dtype, default="fp8", help="bf16, fp8, mxfp8 or fp4")
+    parser.add_argument("--combine-dtype", type=cli.combine_dtype, default="bf16", help=cli.combine_names())
     parser.add_argument("--mode", default="low_latency", choices=[m.value for m in Mode])
     parser.add_argument("--steps", type=cli.positive_int, default=500, help="steps per timed repeat, no-op launches")
     parser.add_argument("--repeats", type=cli.positive_int, default=7)
     parser.add_argument("--iters", type=cli.positive_int, default=30, help="steps per path and round (GPU)")
     parser.add_argument("--rounds", type=cli.positive_int, default=12, help="rounds of both launch paths (GPU)")
     parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", type=cli.output_file, help="write the rows here")
     args = parser.parse_args(argv)
     device = cli.resolve_device(args.device)
     cli.check_triton_runs(device, "python -m mori_sglang.tools.op_overhead")
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> Report:
     report = measure(cfg, args.tokens, device, args.steps, args.repeats, args.iters, args.rounds)
     print(
         f"host cost per rank and call on {device}, loopback world of {args.world}, {args.tokens} tokens, hidden "
-        f"{args.hidden}, {args.dispatch_dtype} dispatch, {args.combine_dtype} combine, {args.mode}; Python: least "
-        f"of {args.repeats} repeats of {args.steps} steps with launches as no-ops"
+        f"{args.hidden}, {args.dispatch_dtype.value} dispatch, {cli.combine_name(args.combine_dtype)} combine, "
+        f"{args.mode}; Python: least of {args.repeats} repeats of {args.steps} steps with launches as no-ops"
         + (
             f"; with launches: median over {args.rounds} rounds of each path's median of {args.iters} steps, "
             "device kept busy\n"

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, Row]]:
     parser.add_argument("--world", "--world-size", type=cli.positive_int, default=8, help="ranks")
     parser.add_argument("--vary", nargs="+", default=[], help="field=v1,v2 or field=v+field=v (see above)")
     parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", type=cli.output_file, help="write the rows here")
     args = parser.parse_args(argv)
     try:
         variants = [("defaults", {}), *parse_variants(args.vary)]

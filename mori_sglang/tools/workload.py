@@ -38,7 +38,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         "--combine-dtype",
         type=cli.combine_dtype,
         nargs="+",
-        default=["bf16", "fp8", "fp8_direct_cast"],
+        # Parsed here: argparse runs ``type`` on a string default only, never on a list's items.
+        default=[cli.combine_dtype(name) for name in ("bf16", "fp8", "fp8_direct_cast")],
         help=f"one or more of {cli.combine_names()} (default: bf16 fp8 fp8_direct_cast)",
     )
     parser.add_argument("--mode", nargs="+", default=["intranode", "low_latency"], choices=[m.value for m in Mode])

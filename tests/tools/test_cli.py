@@ -4,13 +4,18 @@ aliases), devices, ports and bounds, each refusing with a message argparse print
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from mori_sglang import cli
-from mori_sglang.config import COMBINE_ENV_VALUES, DISPATCH_ENV_VALUES, CombineDtype, DispatchDtype
+from mori_sglang.config import COMBINE_ENV_VALUES, DISPATCH_ENV_VALUES, CombineDtype, DispatchDtype, Mode, Provider
 from mori_sglang.env import ENV_BY_NAME
+from mori_sglang.tools import bench
+from mori_sglang.tools.workload import add_workload_args, workload_configs
 
 
 def test_formats_take_the_env_names_and_the_long_names() -> None:
@@ -89,3 +94,49 @@ def test_run_reports_a_configuration_error_in_one_line(capsys: pytest.CaptureFix
     assert exit_info.value.code == 0
     with pytest.raises(ZeroDivisionError):  # a bug of ours keeps its traceback
         cli.run(lambda argv: 1 / 0, "python -m tool")
+
+
+def test_the_benchmarks_default_workload_builds_every_point() -> None:
+    """``bench``, ``tune`` and ``bench_dist`` without format flags: argparse hands a list default to the
+    program unparsed, so the defaults must already be formats."""
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
+    points = workload_configs(parser.parse_args([]), world_size=8, rank=0, provider=Provider.TORCH)
+    combines = [CombineDtype.BF16, CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_DIRECT_CAST]
+    assert [(c.mode, tokens, c.combine_dtype) for c, tokens in points] == [
+        (mode, tokens, combine)
+        for mode in (Mode.INTRANODE, Mode.LOW_LATENCY)
+        for tokens in (128, 4096)
+        for combine in combines
+    ]
+    assert {c.dispatch_dtype for c, _ in points} == {DispatchDtype.FP8}
+
+
+def test_output_files_are_checked_before_the_run(tmp_path: Path) -> None:
+    """``--json`` / ``--plot`` that cannot be written fail while the arguments are parsed, not after a run."""
+    assert cli.output_file(str(tmp_path / "rows.json")) == str(tmp_path / "rows.json")
+    assert cli.output_file("rows.json") == "rows.json"  # the working folder
+    with pytest.raises(argparse.ArgumentTypeError, match=r"folder .*missing does not exist"):
+        cli.output_file(str(tmp_path / "missing" / "rows.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder; name a file"):
+        cli.output_file(str(tmp_path))
+
+
+@pytest.mark.parametrize("command", ["roundtrip", "tools.bench", "tools.tune", "tools.bandwidth", "tools.launch_cost",
+                                     "tools.op_overhead", "tools.bench_dist"])  # fmt: skip
+def test_every_commands_json_is_checked_while_parsing(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = importlib.import_module(f"mori_sglang.{command}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--json", str(tmp_path / "missing" / "rows.json")])
+    assert exit_info.value.code == 2
+    assert "--json: " in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed here")
+def test_bench_plot_without_matplotlib_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--plot", str(tmp_path / "bars.png")])
+    assert exit_info.value.code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err

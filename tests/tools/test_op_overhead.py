@@ -18,6 +18,12 @@ pytestmark = pytest.mark.skipif(
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = ["--world", "2", "--tokens", "5", "--hidden", "128", "--experts", "4", "--topk", "2", "--device", DEVICE]
+FORMATS = [
+    "--dispatch-dtype",
+    "FP8",
+    "--combine-dtype",
+    "fp8",
+]  # the env names, in any case, as every command takes them
 
 
 @pytest.mark.parametrize("mode", ["intranode", "low_latency"])
@@ -25,7 +31,7 @@ def test_every_call_is_timed_with_its_launch_counted(mode: str, capsys: pytest.C
     call = BoundLaunch.__call__
     out = tmp_path / "report.json"
     timing = ["--steps", "20", "--repeats", "2", "--iters", "3", "--rounds", "2"]
-    report = op_overhead.main([*SMALL, "--mode", mode, *timing, "--json", str(out)])
+    report = op_overhead.main([*SMALL, *FORMATS, "--mode", mode, *timing, "--json", str(out)])
     assert BoundLaunch.__call__ is call and BoundLaunch.direct_launches  # launches are real and direct again
     rows = report.rows
     assert [r.phase for r in rows] == ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
@@ -41,6 +47,7 @@ def test_every_call_is_timed_with_its_launch_counted(mode: str, capsys: pytest.C
         assert all(r.host_us > r.python_us and r.wrapper_host_us > r.python_us for r in rows)
         assert "direct minus Triton's launcher, round by round" in printed
     assert f"| step | {sum(r.python_us for r in rows):.2f} | 4 |" in printed
+    assert f"hidden 128, fp8 dispatch, fp8 combine, {mode};" in printed
     assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == [r.phase for r in rows]
 
 
