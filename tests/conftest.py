@@ -38,6 +38,14 @@ def seed(request: pytest.FixtureRequest) -> int:
     return (BASE_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
 
 
+@pytest.fixture(autouse=True)
+def _seeded_global_generators(seed: int) -> None:
+    """Draws from torch's and Python's global generators replay with the suite's seed as well: a test
+    that draws without a generator of its own is still reproduced by the replay line."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
 @pytest.fixture
 def rng(seed: int) -> random.Random:
     """Random inputs that replay with the suite's MORI_SGLANG_TEST_SEED."""
