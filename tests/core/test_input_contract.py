@@ -784,7 +784,7 @@ def test_a_device_the_op_cannot_run_on_is_refused_by_name(device: str, match: st
 
 
 def test_a_cpu_device_with_an_index_takes_cpu_tensors() -> None:
-    """"cpu:0" names the CPU; CPU tensors carry no index, so an op that kept it refused every input."""
+    """The device "cpu:0" is the CPU; CPU tensors carry no index, so an op that kept it refused every input."""
     cfg = EpConfig(2, 0, 64, 4, 2, max_tokens_per_rank=2, provider="torch")
     world = LoopbackWorld(cfg, "cpu:0")
     assert world.ops[0].device == torch.device("cpu")

@@ -7,6 +7,7 @@ MoRI's outputs on the Triton runner). ``mori_to_triton`` masks and bounds the re
 (``expert_input``), calls SGLang's own ``fused_experts`` on them with local expert ids, and returns the
 output rows as the combine input: router weights applied once, by the down GEMM (or on the input where
 the model asks for it), one row per received row, which combine sums per token without weighting.
+``routed_scaling_factor`` is left to the model, which applies it after the combine on its a2a path.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ def mori_to_triton(
         w1=quant_info.w13_weight,
         w2=quant_info.w2_weight,
         topk_output=StandardTopKOutput(out.topk_weights[:rows], ids, None),
-        # Out of place: in place would write into the dispatch receive buffer.
-        moe_runner_config=replace(runner_config, inplace=False),
+        # Out of place: in place would write into the dispatch receive buffer. Unscaled, as every a2a
+        # backend's experts return their output: the model's a2a forward (DeepSeek's forward_deepep,
+        # GLM's) multiplies by routed_scaling_factor after the combine, and scaling here too counted it twice.
+        moe_runner_config=replace(runner_config, inplace=False, routed_scaling_factor=None),
         b1=quant_info.b13,
         b2=quant_info.b2,
         use_fp8_w8a8=quant_info.use_fp8_w8a8,

@@ -73,6 +73,7 @@ HIDDEN = 256
 INTERMEDIATE = 128
 EXPERTS = 8
 TOPK = 3
+DEEPSEEK_ROUTED_SCALING_FACTOR = 2.5  # DeepSeek V3 / R1
 CAP = 24  # SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK
 BLOCK = 128  # fp8 weight blocks
 TOKENS = {2: (7, 5), 4: (6, 0, 5, 4)}  # one rank of the 4 sends nothing
@@ -239,7 +240,7 @@ class Model:
         (w13, w13_scale), (w2, w2_scale) = block_fp8(w13), block_fp8(w2)
         return Model(weights, gate, w13, w2, w13_scale, w2_scale)
 
-    def layer(self, first_expert: int, num_experts: int) -> FusedMoE:
+    def layer(self, first_expert: int, num_experts: int, routed_scaling_factor: float | None = None) -> FusedMoE:
         """SGLang's FusedMoE over the placement in force, holding experts [first, first + local)."""
         quant = None if self.weights == "bf16" else Fp8Config(True, "dynamic", weight_block_size=[BLOCK, BLOCK])
         layer = FusedMoE(
@@ -250,6 +251,7 @@ class Model:
             top_k=TOPK,
             params_dtype=torch.bfloat16,
             quant_config=quant,
+            routed_scaling_factor=routed_scaling_factor,
         )
         local = slice(first_expert, first_expert + layer.num_local_experts)
         layer.w13_weight.data.copy_(self.w13[local])
@@ -395,7 +397,9 @@ def run_layer(
     sizes = list(tokens[world_size])
     set_dp_buffer_len(sum(sizes), sizes[rank], False, global_num_tokens=sizes if dp_attention else None)
     with placement(check.tp, world_size, rank, MoeA2ABackend.MORI, deepep_mode, dp_attention):
-        layer = model.layer(rank * local, EXPERTS)
+        # The model's a2a forward multiplies by the factor after the combine: the EP layer's output is
+        # the unscaled one, the reference's (no factor), whatever factor the layer carries.
+        layer = model.layer(rank * local, EXPERTS, routed_scaling_factor=DEEPSEEK_ROUTED_SCALING_FACTOR)
         inner = layer.dispatcher._inners[0]
         assert isinstance(inner, MoriSglangDispatcher)
         dispatch = inner.dispatch_dtype
