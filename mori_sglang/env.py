@@ -126,8 +126,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD",
         "256",
-        "Native MoRI across hosts: InterNodeV1LL when SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK is at "
-        "most this, else InterNodeV1 (SGLang's rule).",
+        "Native MoRI across hosts: SGLang runs InterNodeV1LL when SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK "
+        "is at most this; here InterNodeV1 runs at every size (InterNodeV1LL's receiver sends a dropped id, "
+        "-1, to rank 0), so the value is checked and chooses nothing.",
         kind="int",
     ),
     EnvVar(

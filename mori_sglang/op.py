@@ -133,8 +133,8 @@ class EpDispatchCombineOp:
         """Start sending each token to the distinct ranks among its top-k experts."""
         self._start_send("dispatch")
         self._check_dispatch(x, topk_weights, scales, topk_ids)
-        self._dispatches += 1
         self._send_dispatch(x, topk_weights, scales, topk_ids)
+        self._dispatches += 1  # after the send: a dispatch the provider refused leaves the last handle valid
         self._in_flight["dispatch"] = True
 
     def _send_dispatch(

@@ -3,8 +3,9 @@
 MoRI sends a copy of a token to rank ``id / num_experts_per_rank`` (C++ integer division, towards
 zero), once per rank. Which ids it drops depends on the kernel:
 
-- IntraNode, InterNodeV1(LL) and EP v2's hip backend skip negative ids and ranks outside
-  ``[0, world_size)``: a dropped slot is sent as -1;
+- IntraNode, InterNodeV1 and EP v2's hip backend skip negative ids and ranks outside
+  ``[0, world_size)``: a dropped slot is sent as -1 (InterNodeV1LL's receiver does not skip it, one
+  reason the provider does not run that kernel);
 - AsyncLL skips only ranks outside ``[0, world_size)``, so -1 (``-1 / 32 == 0``) goes to rank 0, and
   its receiver asserts that every id of a received row names a rank. The one id it drops and its
   receiver accepts is a repeat of a rank an earlier slot of the same token already goes to: a

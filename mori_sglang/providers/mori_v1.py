@@ -1,9 +1,12 @@
 """MoRI's v1 API (``mori.ops.EpDispatchCombineOp``) behind our op API, configured as SGLang does.
 
-- Kernel per mode: IntraNode within a host, InterNodeV1 across hosts (InterNodeV1LL when the buffer
-  holds at most ``SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD`` tokens), AsyncLL for the
-  low-latency and split modes and with ``MORI_ENABLE_SDMA``; SGLang's blocks and warps for each, its
-  wider grid for fp4 dispatch within a host, clamped to the GPU's compute units.
+- Kernel per mode: IntraNode within a host, InterNodeV1 across hosts, AsyncLL for the low-latency and
+  split modes and with ``MORI_ENABLE_SDMA``. Not InterNodeV1LL, which SGLang picks for buffers of at
+  most ``SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD`` tokens: its receiver divides a dropped id
+  (-1) by the experts per rank towards zero and delivers the slot to rank 0, whose output the combine
+  then adds (and with one expert per rank it asserts), while InterNodeV1 skips negative ids.
+- SGLang's blocks and warps for each kernel, its wider grid for fp4 dispatch within a host, clamped to
+  the GPU's compute units.
 - Scale rows travel as opaque bytes already padded to their 128 B stride (v1 lays the rows it
   receives down packed), so the receiver reads them at the stride our other providers use.
 - The quantized combines are MoRI's own: ``quant_type`` per combine dtype, with MoRI's block scales
@@ -46,13 +49,13 @@ BLOCKWISE_KERNELS = {"fp8_blockwise": ("IntraNode", "AsyncLL"), "fp4_blockwise":
 
 def kernel_type_name(config: EpConfig) -> str:
     """AsyncLL for the split kinds (the only kernel with separate send and receive calls) and with
-    SDMA copies; IntraNode within a host; InterNodeV1LL / InterNodeV1 across hosts by buffer size."""
+    SDMA copies; IntraNode within a host; InterNodeV1 across hosts at every buffer size (not
+    InterNodeV1LL: see the module's docstring)."""
     if config.mode is not Mode.INTRANODE or env.get_bool("MORI_ENABLE_SDMA"):
         return "AsyncLL"
     if config.world_size <= GPUS_PER_NODE:
         return "IntraNode"
-    threshold = env.get_int("SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD")
-    return "InterNodeV1LL" if config.max_tokens_per_rank <= threshold else "InterNodeV1"
+    return "InterNodeV1"
 
 
 def launch_geometry(config: EpConfig, kernel: str, compute_units: int | None) -> tuple[int, int, int]:
@@ -153,6 +156,7 @@ class MoriV1Provider(MoriProvider):
         self._dispatched: tuple | None = None
         self._combined: torch.Tensor | None = None
         self._num_tokens = 0
+        self._awaiting_combine = False
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -173,6 +177,12 @@ class MoriV1Provider(MoriProvider):
         quantize: bool = False,
     ) -> None:
         self.refuse_fused_quantization(quantize)
+        if self._awaiting_combine and not self._split:
+            raise RuntimeError(
+                f"dispatch_send before the previous dispatch was combined: MoRI's {self.kernel} kernel adds each "
+                "dispatch's rows to a receive count only its combine clears, so the new dispatch would count (and "
+                "its combine read) the old rows too; combine each dispatch before the next dispatch_send"
+            )
         self._num_tokens = payload.shape[0]
         self._sent_ids, sent_weights = self._routing(ids, weights)
         padded = None
@@ -183,6 +193,7 @@ class MoriV1Provider(MoriProvider):
         args = (tokens, sent_weights, padded, self._sent_ids)
         # AsyncLL hands its output buffers back from the send; dispatch_recv fills them.
         self._dispatched = self.op.dispatch_send(*args) if self._split else self.op.dispatch(*args)
+        self._awaiting_combine = True
 
     def dispatch_recv(self, layout: formats.DispatchRowLayout, token_dtype: torch.dtype) -> DispatchOutput:
         if self._dispatched is None:
@@ -220,6 +231,7 @@ class MoriV1Provider(MoriProvider):
         self._num_tokens = handle.num_tokens
         send = self.op.combine_send if self._split else self.op.combine
         self._combined = send(y, None, ids)[0]
+        self._awaiting_combine = False
 
     def combine_recv(self) -> torch.Tensor:
         if self._combined is None:

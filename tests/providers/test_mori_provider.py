@@ -56,15 +56,15 @@ def test_auto_picks_native_mori_on_a_gpu_where_it_imports(monkeypatch: pytest.Mo
     [
         (Mode.INTRANODE, 8, 4096, {}, "IntraNode"),
         (Mode.INTRANODE, 16, 4096, {}, "InterNodeV1"),
-        (Mode.INTRANODE, 16, 256, {}, "InterNodeV1LL"),
+        (Mode.INTRANODE, 16, 256, {}, "InterNodeV1"),  # SGLang: InterNodeV1LL, which misroutes dropped ids
         (Mode.INTRANODE, 16, 257, {}, "InterNodeV1"),
-        (Mode.INTRANODE, 16, 512, {"SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "512"}, "InterNodeV1LL"),
+        (Mode.INTRANODE, 16, 512, {"SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "512"}, "InterNodeV1"),
         (Mode.INTRANODE, 8, 4096, {"MORI_ENABLE_SDMA": "1"}, "AsyncLL"),
         (Mode.LOW_LATENCY, 8, 4096, {}, "AsyncLL"),
         (Mode.SPLIT, 8, 4096, {}, "AsyncLL"),
     ],
 )
-def test_v1_kernel_type_as_sglang_picks_it(
+def test_v1_kernel_type_as_sglang_picks_it_but_never_the_ll_internode_kernel(
     monkeypatch: pytest.MonkeyPatch, mode: Mode, world: int, max_tokens: int, environ: dict, kernel: str
 ) -> None:
     for name, value in environ.items():
@@ -272,7 +272,7 @@ CASES = (
     Case(Mode.INTRANODE, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "v2"),
     Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.BF16, 256, "v2"),
     Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.BF16, 256, "IntraNode", ep_v2=False),
-    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, 256, "InterNodeV1LL", one_gpu_hosts=True),
+    Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, 256, "InterNodeV1", one_gpu_hosts=True),
     Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 512, "InterNodeV1", one_gpu_hosts=True),
     Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE, 256, "IntraNode"),  # 56 blocks of 5
     Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE_NATIVE, 7168, "IntraNode"),  # of 128
@@ -326,6 +326,7 @@ def _round_trip_worker(rank: int, world: int, seed: int, arch: str) -> None:
         for i, case in enumerate(CASES):
             _round_trip(rank, world, seed + 1000 * i, arch, case)
         _ids_past_the_last_expert(rank, world)
+        _a_dispatch_before_the_last_combine(rank, world)
     finally:
         finalize_shmem()
 
@@ -335,8 +336,8 @@ def _case_env(case: Case) -> None:
 
     hosts = 1 if case.one_gpu_hosts else 8
     mori_provider.GPUS_PER_NODE = mori_v1.GPUS_PER_NODE = hosts
-    threshold = MAX_TOKENS if case.kernel == "InterNodeV1LL" else MAX_TOKENS - 1
-    os.environ["SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD"] = str(threshold)
+    # Buffers SGLang would run on InterNodeV1LL: the provider still runs InterNodeV1.
+    os.environ["SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD"] = str(MAX_TOKENS)
     os.environ["SGLANG_MORI_EP_V2"] = "1" if case.ep_v2 else "0"
     if case.scale_dim is None:
         os.environ.pop("MORI_FP8_COMBINE_SCALE_DIM", None)
@@ -451,6 +452,29 @@ def _ids_past_the_last_expert(rank: int, world: int) -> None:
         want = [(-1, -1, 1)] * world if rank == 0 else []
         want.append((-1, own, own + 1))
         assert got == sorted(want), (mode, got)
+
+
+def _a_dispatch_before_the_last_combine(rank: int, world: int) -> None:
+    """IntraNode and InterNodeV1 add each dispatch's rows to a receive count that only their combine
+    clears: a second dispatch before the combine is refused by name, and the first still combines
+    right. AsyncLL clears its count at each dispatch, so the op takes the sequence there."""
+    bf16 = (Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 256)
+    for case in (Case(*bf16, "IntraNode", ep_v2=False), Case(*bf16, "InterNodeV1", one_gpu_hosts=True)):
+        _case_env(case)
+        cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS)
+        ops = [EpDispatchCombineOp(replace(cfg, provider=p), device="cpu") for p in ("mori", "torch")]
+        assert ops[0].provider.kernel == case.kernel
+        gen = torch.Generator().manual_seed(rank)
+        x, weights = torch.randn(2, 256, generator=gen).to(torch.bfloat16), torch.rand(2, TOPK, generator=gen)
+        ids = make_topk_ids("random", 2, EXPERTS, TOPK, world, gen)
+        combined = []
+        for op in ops:
+            out = op.dispatch(x, weights, None, ids)
+            if op is ops[0]:
+                with pytest.raises(RuntimeError, match=f"MoRI's {case.kernel} kernel adds each dispatch's rows"):
+                    op.dispatch_send(x, weights, None, ids)
+            combined.append(op.combine(out.tokens[: out.num_recv_host()].clone(), out.handle))
+        assert torch.equal(combined[0].view(torch.int16), combined[1].view(torch.int16)), case
 
 
 @pytest.mark.parametrize(("world", "arch"), [(2, "gfx942"), (4, "gfx950")])

@@ -126,7 +126,7 @@ class EpDispatchCombineOp:
             "disp_w": _wire.poisoned(recv * config.num_experts_per_token * 4),
             "disp_s": _wire.poisoned(recv * max(config.scale_dim * config.scale_type_size, 1)),
             "disp_i": _wire.poisoned(recv * config.num_experts_per_token * 4),
-            "disp_total": _wire.poisoned(4),
+            "disp_total": torch.zeros(4, dtype=torch.uint8),  # the count the kernels add to: zeroed at creation
             "comb_out": _wire.poisoned(config.max_num_inp_token_per_rank * row_bytes),
         }
         self._views: dict[tuple, torch.Tensor] = {}
@@ -189,6 +189,11 @@ class EpDispatchCombineOp:
             )
         self._sources = received.sources
         views = self._dispatch_views(input, scales if has_scales else None)
+        if cfg.kernel_type != _KT.AsyncLL and int(views[4][0]):
+            raise AssertionError(
+                "stand-in: a dispatch before the previous dispatch's combine; the real kernels add its rows to "
+                "the uncleared receive count (intranode.hpp atomicAdd on totalRecvTokenNum), which is not modelled"
+            )
         if cfg.kernel_type == _KT.AsyncLL:
             views[4][0] = 0  # the slot-assign kernel clears the count; the receive kernels fill the rest
             self._pending_dispatch = (received, views)
@@ -222,7 +227,8 @@ class EpDispatchCombineOp:
         cfg = self.config
         pe = _wire.trunc_div(indices.long(), cfg.num_experts_per_rank)
         in_range = (pe >= 0) & (pe < cfg.world_size)
-        if cfg.kernel_type != _KT.AsyncLL:
+        # AsyncLL and InterNodeV1LL's receiver take -1 / experts-per-rank (0, towards zero) as rank 0.
+        if cfg.kernel_type not in (_KT.AsyncLL, _KT.InterNodeV1LL):
             in_range &= indices >= 0
         k = indices.shape[1]
         earlier = torch.ones(k, k, dtype=torch.bool).tril(diagonal=-1)
@@ -336,6 +342,7 @@ class EpDispatchCombineOp:
             self._pending_combine = result
         else:
             out[: self._num_tokens] = result
+            self._view("disp_total", (1,), TOPK_IDX_DTYPE)[0] = 0  # only the combine clears the count
         return out, None
 
     def _check_combine(self, input: torch.Tensor, use_external_inp_buf: int) -> None:
