@@ -29,7 +29,7 @@ from mori_sglang.providers.base import (
     ProviderSetup,
 )
 from mori_sglang.providers.device_status import DeviceStatus
-from mori_sglang.types import expert_id_error
+from mori_sglang.types import expert_id_error, short_expert_outputs_error
 
 # Ranks of one host: wider groups take v1's inter-node kernels.
 GPUS_PER_NODE = 8
@@ -137,10 +137,23 @@ class MoriProvider(EpProvider):
         self.config = setup.config
         self.layout = setup.layout
         self.token_dtype = mori_token_dtype(setup.config, setup.payload_dtype)
-        self._status = DeviceStatus(1, setup.device)  # the largest expert id past the last, minus (num_experts - 1)
+        # [the largest expert id past the last, minus (num_experts - 1); rows a combine needed, plus 1]
+        self._status = DeviceStatus(2, setup.device)
 
     def check_status(self) -> None:
-        """Raise if a dispatch met an expert id past the last expert (those copies were dropped)."""
-        (bad_id,) = self._status.read()
+        """Raise if a dispatch met an expert id past the last expert (those copies were dropped) or a
+        combine got fewer expert output rows than its dispatch received."""
+        bad_id, rows_needed = self._status.read()
         if bad_id:
             raise expert_id_error(bad_id + self.config.num_experts - 1, self.config.num_experts, dropped=True)
+        if rows_needed:
+            raise short_expert_outputs_error(rows_needed - 1)
+
+    def _flag_short_outputs(self, y: torch.Tensor, num_recv: torch.Tensor) -> None:
+        """Flag expert outputs with fewer rows than the dispatch received, compared on the device (no
+        host sync) and raised after the combine: MoRI's combine takes no row count and reads every
+        received row, past the end of ``y`` for the missing ones. Enqueued before the combine, which
+        clears v1's count."""
+        received = num_recv.reshape(()).long()
+        needed = torch.where(received > y.shape[0], received + 1, 0)
+        torch.maximum(self._status.flags[1], needed, out=self._status.flags[1])

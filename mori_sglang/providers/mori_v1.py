@@ -228,6 +228,7 @@ class MoriV1Provider(MoriProvider):
         assert isinstance(handle, MoriV1Handle)  # the op passes back only this provider's handles
         ids = handle.sent_ids
         y = y.to(torch.bfloat16).contiguous()
+        self._flag_short_outputs(y, handle.num_recv)
         self._num_tokens = handle.num_tokens
         send = self.op.combine_send if self._split else self.op.combine
         self._combined = send(y, None, ids)[0]
@@ -238,5 +239,6 @@ class MoriV1Provider(MoriProvider):
             raise RuntimeError("combine_recv called without a combine_send before it")
         if self._split:
             self.op.combine_recv()
+        self._status.after_step(self.check_status)
         out, self._combined = self._combined, None
         return out[: self._num_tokens]

@@ -151,10 +151,13 @@ class MoriV2Provider(MoriProvider):
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         """MoRI sums the returned rows unweighted: the expert side applied the weights already."""
         assert isinstance(handle, MoriV2Handle)  # the op passes back only this provider's handles
-        self._combined = self.op.combine(y.to(torch.bfloat16).contiguous(), None, None, routing=handle.routing)[0]
+        y = y.to(torch.bfloat16).contiguous()
+        self._flag_short_outputs(y, handle.num_recv)
+        self._combined = self.op.combine(y, None, None, routing=handle.routing)[0]
 
     def combine_recv(self) -> torch.Tensor:
         if self._combined is None:
             raise RuntimeError("combine_recv called without a combine_send before it")
+        self._status.after_step(self.check_status)
         out, self._combined = self._combined, None
         return out

@@ -194,7 +194,7 @@ def test_combine_quantization_a_mori_kernel_lacks_is_refused(mode: Mode, world: 
 
 
 def test_ids_past_the_last_expert_are_dropped_and_flagged_on_the_device() -> None:
-    status = DeviceStatus(1, torch.device("cpu"))
+    status = DeviceStatus(2, torch.device("cpu"))
     ids = torch.tensor([[0, 7, -1], [8, 3, 12]])
     dropped = mori_ids.flag_past_last(ids, EXPERTS, status)
     checked = mori_ids.negative_for_dropped(ids, dropped)
@@ -327,6 +327,7 @@ def _round_trip_worker(rank: int, world: int, seed: int, arch: str) -> None:
             _round_trip(rank, world, seed + 1000 * i, arch, case)
         _ids_past_the_last_expert(rank, world)
         _a_dispatch_before_the_last_combine(rank, world)
+        _expert_outputs_shorter_than_the_received_rows(rank, world)
     finally:
         finalize_shmem()
 
@@ -475,6 +476,33 @@ def _a_dispatch_before_the_last_combine(rank: int, world: int) -> None:
                     op.dispatch_send(x, weights, None, ids)
             combined.append(op.combine(out.tokens[: out.num_recv_host()].clone(), out.handle))
         assert torch.equal(combined[0].view(torch.int16), combined[1].view(torch.int16)), case
+
+
+def _expert_outputs_shorter_than_the_received_rows(rank: int, world: int) -> None:
+    """MoRI's combine takes no row count and reads every received row, past the end of short expert
+    outputs: the provider compares the rows on the device and raises after the combine (at once on
+    CPU), on v1 and v2 alike; the next step runs clean."""
+    bf16 = (Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 256)
+    for case in (Case(*bf16, "v2"), Case(*bf16, "IntraNode", ep_v2=False)):
+        _case_env(case)
+        cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="mori")
+        op = EpDispatchCombineOp(cfg, device="cpu")
+        assert op.provider.kernel == case.kernel
+        ids = torch.full((2, TOPK), -1, dtype=torch.int64)
+        ids[:, 0] = torch.arange(world).repeat(2)[rank : rank + 2] * (EXPERTS // world)  # two ranks, one row each
+        x, weights = torch.randn(2, 256).to(torch.bfloat16), torch.rand(2, TOPK)
+        for short in (True, False):
+            out = op.dispatch(x, weights, None, ids)
+            received = out.num_recv_host()
+            assert received >= 1
+            y = out.tokens[: received - 1 if short else received].clone()
+            if short:
+                with pytest.raises(
+                    InputError, match=f"expert outputs had fewer rows, the dispatch received {received}"
+                ):
+                    op.combine(y, out.handle)
+            else:
+                assert op.combine(y, out.handle).shape == (2, 256)
 
 
 @pytest.mark.parametrize(("world", "arch"), [(2, "gfx942"), (4, "gfx950")])
