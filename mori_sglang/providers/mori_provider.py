@@ -98,9 +98,16 @@ def uses_ep_v2(config: EpConfig) -> bool:
     )
 
 
-def mori_token_dtype(config: EpConfig, payload_dtype: torch.dtype) -> torch.dtype:
-    """The element type MoRI is told its tokens have: packed e2m1 pairs for fp4 (as SGLang passes them)."""
-    return torch.float4_e2m1fn_x2 if config.dispatch_dtype is DispatchDtype.MXFP4 else payload_dtype
+def mori_token_dtype(config: EpConfig, payload_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The element type MoRI is told its tokens have: packed e2m1 pairs for fp4 (as SGLang passes them);
+    on a GPU, fp8 tokens in the flavour MoRI compiles its kernels for there (e4m3fnuz on gfx942,
+    e4m3fn on gfx950: it builds no kernel for the other), whatever ``SGLANG_MORI_FP8_TYPE`` makes the
+    op's. The dispatch copies bytes, and the receive views them back as the op's flavour."""
+    if config.dispatch_dtype is DispatchDtype.MXFP4:
+        return torch.float4_e2m1fn_x2
+    if payload_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and device.type == "cuda":
+        return formats.fp8_dtype_for_device(device)
+    return payload_dtype
 
 
 class MoriProvider(EpProvider):
@@ -136,7 +143,7 @@ class MoriProvider(EpProvider):
     def __init__(self, setup: ProviderSetup) -> None:
         self.config = setup.config
         self.layout = setup.layout
-        self.token_dtype = mori_token_dtype(setup.config, setup.payload_dtype)
+        self.token_dtype = mori_token_dtype(setup.config, setup.payload_dtype, setup.device)
         # [the largest expert id past the last, minus (num_experts - 1); rows a combine needed, plus 1]
         self._status = DeviceStatus(2, setup.device)
 

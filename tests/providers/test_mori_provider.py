@@ -20,7 +20,7 @@ from mori_sglang import formats, providers
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
-from mori_sglang.providers import mori_ids
+from mori_sglang.providers import mori_ids, mori_provider
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, uses_ep_v2
 from mori_sglang.providers.mori_v1 import check_combine_quantization, kernel_type_name, mori_config_kwargs
@@ -191,6 +191,24 @@ def test_combine_quantization_a_mori_kernel_lacks_is_refused(mode: Mode, world: 
     cfg = EpConfig(world, 0, 7168, 256, 8, mode=mode, dispatch_dtype=DispatchDtype.MXFP4, combine_dtype=combine)
     with pytest.raises(ConfigError, match=f"SGLANG_MORI_COMBINE_DTYPE={combine.value} is not offered by MoRI"):
         check_combine_quantization(cfg, kernel_type_name(cfg))
+
+
+@pytest.mark.parametrize("gpu_fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn])
+@pytest.mark.parametrize("op_fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn])
+def test_fp8_tokens_go_to_mori_in_the_flavour_it_builds_for_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, op_fp8: torch.dtype, gpu_fp8: torch.dtype
+) -> None:
+    """MoRI builds its kernels for one fp8 flavour per GPU (gfx942: e4m3fnuz, gfx950: e4m3fn): tokens in
+    the op's flavour (SGLANG_MORI_FP8_TYPE) travel as that one's bytes; other payloads as they are."""
+    monkeypatch.setattr(mori_provider.formats, "fp8_dtype_for_device", lambda device: gpu_fp8)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for dispatch in (DispatchDtype.FP8, DispatchDtype.MXFP8):
+        cfg = EpConfig(8, 0, 7168, EXPERTS, TOPK, dispatch_dtype=dispatch, fp8_dtype=op_fp8)
+        assert mori_provider.mori_token_dtype(cfg, op_fp8, gpu) is gpu_fp8
+        assert mori_provider.mori_token_dtype(cfg, op_fp8, cpu) is op_fp8  # the stand-in takes either
+    cfg = EpConfig(8, 0, 7168, EXPERTS, TOPK, dispatch_dtype=DispatchDtype.MXFP4)
+    assert mori_provider.mori_token_dtype(cfg, torch.uint8, gpu) is torch.float4_e2m1fn_x2
+    assert mori_provider.mori_token_dtype(EpConfig(8, 0, 7168, EXPERTS, TOPK), torch.bfloat16, gpu) is torch.bfloat16
 
 
 def test_ids_past_the_last_expert_are_dropped_and_flagged_on_the_device() -> None:
