@@ -742,6 +742,8 @@ def check_layer(
                 ep.dispatch_a(hidden_states=x, topk_output=topk, tbo_subbatch_index=sub)
             outs = [ep.dispatch_b(tbo_subbatch_index=sub) for sub in subs]
         ys = [expert_side(layer, out, mask, dispatch) for out in outs]
+        # Read as the experts read them, before the combine: native MoRI v1's combine clears its count.
+        counts = [out.num_recv_tokens_per_expert.tolist() for out in outs]
         if len(subs) == 1:
             results = [ep.combine(combine_input=combine_input_of(outs[0], ys[0]))]
         else:
@@ -749,12 +751,12 @@ def check_layer(
                 ep.combine_a(combine_input=combine_input_of(out, y), tbo_subbatch_index=sub)
             results = [ep.combine_b(tbo_subbatch_index=sub) for sub in subs]
 
-        for sub, (x, topk), out, got in zip(subs, batches, outs, results, strict=True):
+        for sub, (x, topk), out, got, count in zip(subs, batches, outs, results, counts, strict=True):
             where = f"{what} step {step} micro-batch {sub}"
             assert out.format is output_format, where
             senders = [layer_batch(layer, world_size, seed, r, step, sub)[1].topk_ids for r in range(world_size)]
             arrivals = sum(int(((ids >= 0) & (ids // local == rank)).any(dim=1).sum()) for ids in senders)
-            assert out.num_recv_tokens_per_expert.tolist() == [arrivals], where
+            assert count == [arrivals], where
             want, magnitude = reference(layer, x, topk, dispatch)
             assert got.shape == (x.shape[0], HIDDEN) and got.dtype == torch.bfloat16, where
             excess = (got.double() - want).abs() - error_bound(magnitude, bound or combine, world_size)
