@@ -135,7 +135,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS",
         "0",
         "Native MoRI only: cap on the tokens one rank receives per call (MoRI's max_total_recv_tokens; "
-        "0: every rank may send its whole buffer). EP v2's hip backend refuses a cap below that.",
+        "0: every rank may send its whole buffer). EP v2's hip backend refuses a cap below that, and so "
+        "does v1's IntraNode kernel here (it does not check the cap).",
         kind="int",
         minimum=0,
     ),

@@ -11,7 +11,8 @@
   receives down packed), so the receiver reads them at the stride our other providers use.
 - The quantized combines are MoRI's own: ``quant_type`` per combine dtype, with MoRI's block scales
   (``MORI_FP8_COMBINE_SCALE_DIM`` per token, 56 unless set) whichever blockwise name is configured.
-- The receive capacity is capped by ``SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS`` where set.
+- The receive capacity is capped by ``SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS`` where set, except that
+  IntraNode, which does not check the cap, refuses one below what the ranks may send.
 """
 
 from __future__ import annotations
@@ -115,6 +116,19 @@ def check_combine_quantization(config: EpConfig, kernel: str) -> None:
         )
 
 
+def check_receive_cap(config: EpConfig, kernel: str) -> None:
+    """IntraNode lays received rows down without checking them against MoRI's receive cap (the other v1
+    kernels assert on it): there a cap below what every rank may send is refused, as a batch past it
+    would write past MoRI's buffer."""
+    cap = env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0
+    if kernel == "IntraNode" and cap and -(-cap // config.world_size) < config.max_tokens_per_rank:
+        raise ConfigError(
+            f"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS={cap} caps MoRI's IntraNode receive buffer below the "
+            f"{config.max_recv_tokens} rows {config.world_size} ranks of {config.max_tokens_per_rank} tokens may "
+            "send, and that kernel does not check the cap: unset it (0) or raise it to that"
+        )
+
+
 def _compute_units(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -138,6 +152,7 @@ class MoriV1Provider(MoriProvider):
         config, device, layout, group = setup.config, setup.device, setup.layout, setup.group
         self.kernel = kernel_type_name(config)
         check_combine_quantization(config, self.kernel)
+        check_receive_cap(config, self.kernel)
         init_shmem(group or dist.group.WORLD)
         kwargs = mori_config_kwargs(config, layout, self.token_dtype, setup.payload_dtype, _compute_units(device))
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)

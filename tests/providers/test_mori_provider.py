@@ -23,7 +23,12 @@ from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.providers import mori_ids, mori_provider
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, uses_ep_v2
-from mori_sglang.providers.mori_v1 import check_combine_quantization, kernel_type_name, mori_config_kwargs
+from mori_sglang.providers.mori_v1 import (
+    check_combine_quantization,
+    check_receive_cap,
+    kernel_type_name,
+    mori_config_kwargs,
+)
 from mori_sglang.providers.mori_v2 import scale_row
 from mori_sglang.types import InputError
 from tests.helpers import make_topk_ids, run_gloo
@@ -191,6 +196,29 @@ def test_combine_quantization_a_mori_kernel_lacks_is_refused(mode: Mode, world: 
     cfg = EpConfig(world, 0, 7168, 256, 8, mode=mode, dispatch_dtype=DispatchDtype.MXFP4, combine_dtype=combine)
     with pytest.raises(ConfigError, match=f"SGLANG_MORI_COMBINE_DTYPE={combine.value} is not offered by MoRI"):
         check_combine_quantization(cfg, kernel_type_name(cfg))
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "cap", "refused"),
+    [
+        (Mode.INTRANODE, 8, 8192, True),  # 1024 per source, below 4096
+        (Mode.INTRANODE, 8, 32761, False),  # rounds up to 4096 per source
+        (Mode.INTRANODE, 8, 0, False),  # no cap
+        (Mode.LOW_LATENCY, 8, 8192, False),  # AsyncLL asserts on the cap itself
+        (Mode.INTRANODE, 16, 8192, False),  # InterNodeV1 too
+    ],
+)
+def test_a_receive_cap_intranode_does_not_check_is_refused(
+    monkeypatch: pytest.MonkeyPatch, mode: Mode, world: int, cap: int, refused: bool
+) -> None:
+    monkeypatch.setenv("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS", str(cap))
+    monkeypatch.delenv("MORI_ENABLE_SDMA", raising=False)
+    cfg = EpConfig(world, 0, 7168, 256, 8, max_tokens_per_rank=4096, mode=mode)
+    if refused:
+        with pytest.raises(ConfigError, match=f"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS={cap} caps MoRI's IntraNode"):
+            check_receive_cap(cfg, kernel_type_name(cfg))
+    else:
+        check_receive_cap(cfg, kernel_type_name(cfg))
 
 
 @pytest.mark.parametrize("gpu_fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn])
