@@ -68,7 +68,7 @@ def output_file(text: str) -> str:
     """An argparse type for a file a command writes when it ends (``--json``, ``--plot``): refused at
     once, not after a run of minutes, where its folder is missing or not writable or it is a folder."""
     path = Path(text)
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent  # "." for a bare file name
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; name a file")
     if not folder.is_dir():

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mori_sglang import env, formats
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import FP8_TYPES, CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.providers.base import (
     ALL_DISPATCH,
     ALL_MODES,
@@ -79,6 +79,12 @@ def finalize_shmem() -> None:
     _shmem_ready = False
 
 
+def receive_cap() -> int:
+    """``SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS``: MoRI's cap on the tokens one rank receives per call (0:
+    none, every rank may send its whole buffer)."""
+    return env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0
+
+
 def uses_ep_v2(config: EpConfig) -> bool:
     """SGLang's choice (``SGLANG_MORI_EP_V2``, on unless 0) where EP v2 applies: the intranode mode
     (v2 has no split kernels) within one host, with a bf16 combine (v2's quantized combines are
@@ -86,7 +92,7 @@ def uses_ep_v2(config: EpConfig) -> bool:
     dispatch and combine rows are whole 16 B (v2 copies them in 16 B pieces), and no receive cap
     below every rank's whole buffer (v2's hip backend drops no tokens)."""
     token_bytes = formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden)
-    cap = env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0
+    cap = receive_cap()
     return (
         env.get_bool("SGLANG_MORI_EP_V2")
         and config.mode is Mode.INTRANODE
@@ -105,7 +111,7 @@ def mori_token_dtype(config: EpConfig, payload_dtype: torch.dtype, device: torch
     op's. The dispatch copies bytes, and the receive views them back as the op's flavour."""
     if config.dispatch_dtype is DispatchDtype.MXFP4:
         return torch.float4_e2m1fn_x2
-    if payload_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and device.type == "cuda":
+    if payload_dtype in FP8_TYPES.values() and device.type == "cuda":
         return formats.fp8_dtype_for_device(device)
     return payload_dtype
 

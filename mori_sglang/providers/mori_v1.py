@@ -28,7 +28,7 @@ from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
-from mori_sglang.providers.mori_provider import GPUS_PER_NODE, MoriProvider, init_shmem
+from mori_sglang.providers.mori_provider import GPUS_PER_NODE, MoriProvider, init_shmem, receive_cap
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 QUANT_TYPE = {dtype: wire_formats.COMBINE_BY_NAME[dtype.value].mori_quant_type for dtype in CombineDtype}
@@ -95,7 +95,7 @@ def mori_config_kwargs(
         "num_experts_per_token": config.topk,
         "warp_num_per_block": warps,
         "block_num": blocks,
-        "max_total_recv_tokens": env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0,
+        "max_total_recv_tokens": receive_cap(),
         "use_external_inp_buf": True,
         "kernel_type": kernel,
         "gpu_per_node": min(GPUS_PER_NODE, config.world_size),
@@ -120,7 +120,7 @@ def check_receive_cap(config: EpConfig, kernel: str) -> None:
     """IntraNode lays received rows down without checking them against MoRI's receive cap (the other v1
     kernels assert on it): there a cap below what every rank may send is refused, as a batch past it
     would write past MoRI's buffer."""
-    cap = env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0
+    cap = receive_cap()
     if kernel == "IntraNode" and cap and -(-cap // config.world_size) < config.max_tokens_per_rank:
         raise ConfigError(
             f"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS={cap} caps MoRI's IntraNode receive buffer below the "

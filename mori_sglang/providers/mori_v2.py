@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mori_sglang import env, formats, wire_formats
+from mori_sglang import formats, wire_formats
 from mori_sglang.config import EpConfig
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
-from mori_sglang.providers.mori_provider import MoriProvider
+from mori_sglang.providers.mori_provider import MoriProvider, receive_cap
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 KERNEL_BACKEND = "hip"
@@ -92,7 +92,7 @@ class MoriV2Provider(MoriProvider):
                 scale_type_size=scale_type_size,
                 combine_mode="gather",
                 quant_type="none",
-                max_total_recv_tokens=env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0,
+                max_total_recv_tokens=receive_cap(),
                 kernel_backend=KERNEL_BACKEND,
             ),
             self.comm,
