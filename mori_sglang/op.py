@@ -85,7 +85,7 @@ class EpDispatchCombineOp:
 
     @property
     def max_recv_tokens(self) -> int:
-        return self.config.max_recv_tokens
+        return self.provider.max_recv_tokens
 
     def scale_stride_bytes(self) -> int:
         return self.layout.scale_stride

@@ -76,12 +76,19 @@ class EpProvider(ABC):
     ``check_status``, which the provider also runs after its receives.
     """
 
+    config: EpConfig
     name: ClassVar[str]  # the provider's config.Provider value
     display_name: ClassVar[str]  # how messages name it
     capabilities: ClassVar[Capabilities]
 
     @abstractmethod
     def __init__(self, setup: ProviderSetup) -> None: ...
+
+    @property
+    def max_recv_tokens(self) -> int:
+        """The most rows one receive can hand back: what every rank may send, unless the provider caps its
+        receive buffer (native MoRI under ``SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS``)."""
+        return self.config.max_recv_tokens
 
     def refuse_fused_quantization(self, quantize: bool) -> None:
         """Guard of a provider whose ``fused_quantization`` is empty: the op quantizes its tokens first."""

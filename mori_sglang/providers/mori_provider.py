@@ -85,6 +85,16 @@ def receive_cap() -> int:
     return env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0
 
 
+def capped_recv_tokens(config: EpConfig) -> int:
+    """The rows MoRI's receive buffer holds (its ``MaxNumTokensToRecv``): every rank's share of the cap,
+    rounded up and at most its whole buffer, times the ranks."""
+    cap = receive_cap()
+    per_rank = config.max_tokens_per_rank
+    if cap:
+        per_rank = min(-(-cap // config.world_size), per_rank)
+    return config.world_size * per_rank
+
+
 def uses_ep_v2(config: EpConfig) -> bool:
     """SGLang's choice (``SGLANG_MORI_EP_V2``, on unless 0) where EP v2 applies: the intranode mode
     (v2 has no split kernels) within one host, with a bf16 combine (v2's quantized combines are
@@ -150,8 +160,15 @@ class MoriProvider(EpProvider):
         self.config = setup.config
         self.layout = setup.layout
         self.token_dtype = mori_token_dtype(setup.config, setup.payload_dtype, setup.device)
+        self._max_recv_tokens = capped_recv_tokens(setup.config)
         # [the largest expert id past the last, minus (num_experts - 1); rows a combine needed, plus 1]
         self._status = DeviceStatus(2, setup.device)
+
+    @property
+    def max_recv_tokens(self) -> int:
+        """Under ``SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS`` MoRI's receive holds fewer rows than every rank
+        may send (a receive past them is MoRI's device assert)."""
+        return self._max_recv_tokens
 
     def check_status(self) -> None:
         """Raise if a dispatch met an expert id past the last expert (those copies were dropped) or a

@@ -374,6 +374,7 @@ def _round_trip_worker(rank: int, world: int, seed: int, arch: str) -> None:
         _ids_past_the_last_expert(rank, world)
         _a_dispatch_before_the_last_combine(rank, world)
         _expert_outputs_shorter_than_the_received_rows(rank, world)
+        _a_capped_receive(rank, world)
     finally:
         finalize_shmem()
 
@@ -522,6 +523,39 @@ def _a_dispatch_before_the_last_combine(rank: int, world: int) -> None:
                     op.dispatch_send(x, weights, None, ids)
             combined.append(op.combine(out.tokens[: out.num_recv_host()].clone(), out.handle))
         assert torch.equal(combined[0].view(torch.int16), combined[1].view(torch.int16)), case
+
+
+def _a_capped_receive(rank: int, world: int) -> None:
+    """Under SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS, AsyncLL and InterNodeV1 receive into fewer rows than
+    every rank may send: the op reports MoRI's own count (each rank's share rounded up) as its
+    receive capacity, and a batch within it round-trips as the torch provider's does."""
+    bf16 = (Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.BF16, 256)
+    for mode, case in (
+        (Mode.LOW_LATENCY, Case(Mode.LOW_LATENCY, *bf16[1:], "AsyncLL")),
+        (Mode.INTRANODE, Case(*bf16, "InterNodeV1", one_gpu_hosts=True)),
+    ):
+        _case_env(case)
+        for cap, per_rank in ((world * 2 - 1, 2), (world * 2, 2), (world * MAX_TOKENS + 5, MAX_TOKENS)):
+            os.environ["SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS"] = str(cap)
+            cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=mode)
+            ops = [EpDispatchCombineOp(replace(cfg, provider=p), device="cpu") for p in ("mori", "torch")]
+            assert ops[0].provider.kernel == case.kernel
+            assert ops[0].max_recv_tokens == ops[0].provider.op.max_num_tokens_to_recv() == world * per_rank
+            assert ops[1].max_recv_tokens == world * MAX_TOKENS
+            gen = torch.Generator().manual_seed(rank + cap)
+            x, weights = torch.randn(2, 256, generator=gen).to(torch.bfloat16), torch.rand(2, TOPK, generator=gen)
+            ids = make_topk_ids("random", 2, EXPERTS, TOPK, world, gen)
+            combined = []
+            for op in ops:
+                op.dispatch_send(x, weights, None, ids)
+                out = op.dispatch_recv()
+                assert out.num_recv_host() <= op.max_recv_tokens
+                if op is ops[0]:
+                    assert out.tokens.shape[0] == op.max_recv_tokens
+                op.combine_send(out.tokens[: out.num_recv_host()].clone() * 2, out.handle)
+                combined.append(op.combine_recv())
+            assert torch.equal(combined[0].view(torch.int16), combined[1].view(torch.int16)), (case, cap)
+    del os.environ["SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS"]
 
 
 def _expert_outputs_shorter_than_the_received_rows(rank: int, world: int) -> None:
