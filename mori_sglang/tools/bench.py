@@ -122,22 +122,34 @@ def bench_one(
 def _eager_row(
     phases: list[Callable[[], None]], device: torch.device, iters: int, world: int, graph_us: list[float] | None
 ) -> EagerRow:
-    """Eager timings and launch counts of the four phases, per rank."""
+    """Eager timings of the four phases, per rank; the launch counts come later (``count_eager_launches``)."""
     for phase in phases:  # warm-up, also of whatever the calls cache
         phase()
     host, dev, busy = time_eager(phases, device, iters)
-    counts = [count_launches(p, device) for p in phases]
     one = torch.zeros(1, device=device)
     torch_launch_us, torch_busy = host_us_per_call(lambda: one.add_(1), device, TORCH_LAUNCHES, REPEATS)
     return EagerRow(
         host_us=[statistics.median(t) * 1e6 / world for t in host],
         device_us=[statistics.median(t) * 1e6 / world for t in dev] if dev is not None else None,
-        launches=[c[0] / world for c in counts] if counts[0] is not None else None,
-        d2h_copies=sum(c[1] for c in counts) / world if counts[0] is not None else None,
+        launches=None,
+        d2h_copies=None,
         graph_us=[t / world for t in graph_us] if graph_us is not None else None,
         device_kept_busy=busy and torch_busy,
         torch_launch_us=torch_launch_us,
     )
+
+
+def count_eager_launches(measured: list[tuple[Row, EpConfig]], device: torch.device) -> None:
+    """Fill in each eager row's launches and device-to-host copies, from torch's profiler on a step built
+    anew. Run after every row is timed: once the profiler has run in a process, every launch there costs
+    the host more, so counting beside the timing would slow the rows timed after it. Nothing launches on
+    a CPU: the counts stay None there."""
+    for row, cfg in measured:
+        assert row.eager is not None
+        counts = [count_launches(p, device) for p in LoopbackStep(cfg, row.tokens, device).phases]
+        if counts[0] is not None:
+            row.eager.launches = [c[0] / cfg.world_size for c in counts]
+            row.eager.d2h_copies = sum(c[1] for c in counts) / cfg.world_size
 
 
 def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw: float) -> Row:
@@ -275,17 +287,22 @@ def main(argv: list[str] | None = None) -> list[Row]:
     points = cli.checked(parser, lambda: workload_configs(args, args.world, 0, provider))
     bw = copy_bandwidth(device)
     rows: list[Row] = []
+    measured: list[tuple[Row, EpConfig]] = []
     baseline: dict[tuple, Row] = {}
     for done, (cfg, tokens) in enumerate(points, 1):
         start = time.perf_counter()
         row, _ = bench_one(cfg, tokens, device, args.iters, not args.no_graph, bw, eager=args.eager)
         rows.append(row)
+        measured.append((row, cfg))
         if not args.no_baseline and provider is not Provider.TORCH:
             base_cfg = replace(cfg, provider=Provider.TORCH)
             base, _ = bench_one(base_cfg, tokens, device, max(3, args.iters // 4), False, bw, eager=args.eager)
             baseline[(row.mode, tokens, row.dispatch_dtype, row.combine_dtype)] = base
             rows.append(base)
+            measured.append((base, base_cfg))
         report_progress(done, len(points), cfg, tokens, time.perf_counter() - start)
+    if args.eager:
+        count_eager_launches(measured, device)
     if args.max_tokens_per_rank:
         print(f"buffers sized for {args.max_tokens_per_rank} tokens per rank")
     print(markdown(rows, baseline, bw))

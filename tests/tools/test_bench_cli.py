@@ -73,6 +73,35 @@ def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> Non
     assert eager_json["torch_launch_us"] == pytest.approx(torch_launch, abs=0.005)
 
 
+def test_eager_launches_are_counted_after_every_row_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's profiler makes every later launch of the process cost the host more: the bench counts
+    launches only once every row's host time is taken, each row on a step of its own configuration."""
+    from mori_sglang.tools import bench
+
+    events: list[tuple[str, int]] = []
+    time_eager, count_launches = bench.time_eager, bench.count_launches
+
+    def timed(phases, device, iters):
+        events.append(("time", len(phases)))
+        return time_eager(phases, device, iters)
+
+    def counted(phase, device):
+        assert count_launches(phase, device) is None  # a CPU launches nothing
+        events.append(("count", 1))
+        return (2, 1)
+
+    monkeypatch.setattr(bench, "time_eager", timed)
+    monkeypatch.setattr(bench, "count_launches", counted)
+    rows = bench.main(
+        ["--provider", "torch", "--world", "2", "--tokens", "3", "5", "--mode", "intranode", "--eager",
+         "--device", "cpu", *SMALL[:-1]]
+    )  # fmt: skip
+    kinds = [kind for kind, _ in events]
+    assert kinds.index("count") > len(kinds) - 1 - kinds[::-1].index("time")
+    assert kinds.count("count") == 4 * len(rows) == 8
+    assert all(r.eager.launches == [1.0] * 4 and r.eager.d2h_copies == 2.0 for r in rows)
+
+
 def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path) -> None:
     """Decode batches run far below the buffers' capacity in a server: the capacity is its own flag."""
     out = tmp_path / "bench.json"
