@@ -78,9 +78,14 @@ class ActivationPlan:
         return self.wire is self.target
 
     def to_experts(
-        self, payload: torch.Tensor, scales: torch.Tensor | None
+        self, payload: torch.Tensor, scales: torch.Tensor | None, received: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Received rows (payload, uint8 scale rows or None) -> the experts' ``(a1q, a1q_scale)``."""
+        """Received rows (payload, uint8 scale rows or None) -> the experts' ``(a1q, a1q_scale)``.
+
+        ``received``: which rows hold tokens (bool ``[rows]``), where the experts get the whole receive
+        capacity; the other rows' contents are unspecified. vLLM's quantizer sees them as zeros: its
+        per-tensor scales take the amax of every row, which a stale row would set (or make NaN).
+        Formats of ours scale each row (or block) on its own, so their rows need no mask."""
         if self.wire is DispatchDtype.BF16:
             values = payload
         else:
@@ -96,6 +101,8 @@ class ActivationPlan:
             assert q_scales is not None, "quantized formats always have scales"
             return _typed(q, q_scales, self.target)
         qc = self.quant_config
+        if received is not None:
+            values = values.masked_fill(~received[:, None], 0)
         return moe_kernel_quantize_input(
             values.to(self.in_dtype),
             qc.a1_gscale if qc.quant_dtype == "nvfp4" else qc.a1_scale,

@@ -126,9 +126,11 @@ class MoriSglangPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         out, plan = self._received, self._plan
         assert out is not None and plan is not None
         ids = out.topk_ids
+        received = None
         if self._whole_capacity(ids.device):
             rows = ids.shape[0]
-            live = (ids >= 0) & (torch.arange(rows, device=ids.device) < out.num_recv)[:, None]
+            received = torch.arange(rows, device=ids.device) < out.num_recv
+            live = (ids >= 0) & received[:, None]
         else:
             rows = out.num_recv_host()
             ids = ids[:rows]
@@ -136,7 +138,7 @@ class MoriSglangPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         ids = torch.where(live, ids, self.foreign_expert)
         weights = torch.where(live, out.topk_weights[:rows], 0.0)
         scales = out.scales[:rows] if out.scales is not None else None
-        a1q, a1q_scale = plan.to_experts(out.tokens[:rows], scales)
+        a1q, a1q_scale = plan.to_experts(out.tokens[:rows], scales, received)
         return a1q, a1q_scale, None, ids, weights
 
     def prepare(

@@ -353,3 +353,55 @@ def test_low_latency_hooks_with_router_weight_on_input(seed: int) -> None:
     for (out, _), x, w, i in zip(finals, tokens, weights, ids, strict=True):
         want = ((x * w.bfloat16()).float() * (1 + i.float())).bfloat16()
         assert torch.equal(out, want)
+
+
+def test_rows_past_the_received_count_reach_vllms_quantizer_as_zeros(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """A low-latency prepare hands the experts the whole receive capacity, whose rows past the received
+    count are unspecified (poisoned here with NaN and 1e4). vLLM's dynamic per-tensor quantizer takes its
+    amax over every row it gets, so it must see those rows as zeros and the received rows as they came."""
+    from mori_sglang.integrations.vllm import activations
+
+    seen: list[torch.Tensor] = []
+
+    def quantizer(values: torch.Tensor, scale: torch.Tensor | None, **kwargs: object) -> tuple:
+        assert scale is None and kwargs["quant_dtype"] == FP8 and not kwargs["per_act_token_quant"]
+        seen.append(values.clone())
+        return values, torch.ones(1)
+
+    monkeypatch.setattr(activations, "moe_kernel_quantize_input", quantizer)
+    world_size, experts, capacity = 2, 4, 8
+    config = EpConfig(
+        world_size=world_size, rank=0, hidden=HIDDEN, num_experts=experts, topk=2,
+        max_tokens_per_rank=capacity, mode=Mode.LOW_LATENCY, provider="torch",
+    )  # fmt: skip
+    ops = LoopbackWorld(config).ops
+    for op, stale in zip(ops, (float("nan"), 1e4), strict=True):
+        receive = op.dispatch_recv
+
+        def poisoned(receive=receive, stale=stale):  # the unspecified rows, made as bad as they may be
+            out = receive()
+            out.tokens[int(out.num_recv) :] = stale
+            return out
+
+        op.dispatch_recv = poisoned
+    pfs = [MoriSglangPrepareAndFinalize(op, capacity, world_size) for op in ops]
+    per_tensor = moe_cfg.fp8_w8a8_moe_quant_config(w1_scale=torch.ones(1), w2_scale=torch.ones(1))
+    assert expert_format(per_tensor, False, FP8) is None  # vLLM's quantizer makes the experts' format
+    gen = generator(seed)
+    tokens = [make_tokens("normal", n, HIDDEN, gen) for n in (3, 2)]
+    ids = [torch.rand(x.shape[0], experts, generator=gen).topk(2, dim=1).indices.int() for x in tokens]
+    pending = [
+        pf.prepare_async(x, torch.rand(x.shape[0], 2, generator=gen), i, experts, None, False, per_tensor, False)
+        for pf, x, i in zip(pfs, tokens, ids, strict=True)
+    ]
+    for hook, _ in pending:
+        hook()
+    for pf, (_, receiver) in zip(pfs, pending, strict=True):
+        receiver()
+        received = int(pf._received.num_recv)
+        values = seen.pop(0)
+        assert values.shape == (world_size * capacity, HIDDEN) and 0 < received < values.shape[0]
+        assert torch.equal(values[:received], pf._received.tokens[:received])
+        assert torch.equal(values[received:], torch.zeros_like(values[received:]))
