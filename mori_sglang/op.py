@@ -69,6 +69,7 @@ class EpDispatchCombineOp:
         self.provider = build_provider(self.provider_kind, setup)
         # A send not yet received, per kind ("dispatch", "combine"): a second send would overwrite it.
         self._in_flight = {"dispatch": False, "combine": False}
+        self._closed = False
         # The input signatures (``input_signature``) that last passed the shape, dtype and device checks.
         self._checked_dispatch: tuple | None = None
         self._checked_combine: tuple | None = None
@@ -115,6 +116,8 @@ class EpDispatchCombineOp:
         """Refuse a send while this op's previous send of the same kind is not received: the provider
         keeps one send of each kind, so the new batch would replace the old one unseen (its tokens lost,
         its receive returning the new batch)."""
+        if self._closed:
+            raise RuntimeError(f"{kind}_send on a closed op: build a new EpDispatchCombineOp")
         if self._in_flight[kind]:
             raise RuntimeError(
                 f"{kind}_send called again before {kind}_recv received the previous {kind}_send: receive each "
@@ -221,6 +224,14 @@ class EpDispatchCombineOp:
         up on a stalled peer."""
         self._wait_for_device()
         self.provider.check_status()
+
+    def close(self) -> None:
+        """Release what the provider holds beyond Python's memory (native MoRI EP v2: its symmetric
+        window and communicator; collective over the group, as building was). Later sends are refused;
+        closing twice does nothing."""
+        if not self._closed:
+            self._closed = True
+            self.provider.close()
 
     def combine(self, y: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
         if self.config.combine_mode is Mode.LOW_LATENCY:

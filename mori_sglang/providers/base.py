@@ -131,6 +131,10 @@ class EpProvider(ABC):
     def combine_recv(self) -> torch.Tensor:
         """Finish the latest combine_send: per source token, the sum of its returned rows, as bf16."""
 
+    def close(self) -> None:  # noqa: B027 - optional: most providers hold nothing past garbage collection
+        """Release what the provider holds beyond Python's memory, collectively where building was; the
+        op calls it once. Buffers that garbage collection frees need nothing here."""
+
     @abstractmethod
     def check_status(self) -> None:
         """Raise what the device found since the last check (stalled peer, bad id, short expert outputs)."""

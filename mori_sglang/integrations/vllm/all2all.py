@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
+from vllm.distributed.elastic_ep.standby_state import get_standby_ep_group
 from vllm.distributed.parallel_state import get_ep_group
 
 from mori_sglang.config import EpConfig
@@ -67,6 +68,15 @@ def ep_config_from_vllm(backend: str, kwargs: Mapping[str, Any], environ: Mappin
     )
 
 
+def expert_parallel_groups() -> list[Any]:
+    """vLLM's EP group coordinator, then elastic EP's standby one while a scaling is staged."""
+    groups = [get_ep_group()]
+    standby = get_standby_ep_group()
+    if standby is not None:
+        groups.append(standby)
+    return groups
+
+
 class MoriSglangAll2AllManager(All2AllManagerBase):
     """vLLM's ``All2AllManagerBase`` for the MoRI names; ``get_handle`` returns an ``EpDispatchCombineOp``.
 
@@ -89,20 +99,27 @@ class MoriSglangAll2AllManager(All2AllManagerBase):
         return EpDispatchCombineOp(config, group=self._group_for(device), device=device)
 
     def _group_for(self, device: torch.device) -> dist.ProcessGroup:
-        """CPU tensors travel over the manager's gloo group; GPU tensors need the EP group's device group.
+        """CPU tensors travel over the manager's gloo group; GPU tensors need its EP group's device group.
 
         vLLM hands the manager only the cpu group, and builds it while the EP group is still being
-        made, so the device group is looked up when the first op is, by then the EP group exists.
+        made, so the device group is looked up when the first op is, by then the EP group exists. Under
+        elastic EP the manager may belong to the standby EP group, whose layers are staged while
+        ``get_ep_group()`` still names the old one.
         """
         if device.type == "cpu":
             return self.cpu_group
-        ep = get_ep_group()
-        if ep.cpu_group is not self.cpu_group:
-            raise RuntimeError(
-                "mori-sglang's all2all manager only serves vLLM's expert-parallel group; "
-                "this manager was built for another group"
-            )
-        return ep.device_group
+        for ep in expert_parallel_groups():
+            if ep.cpu_group is self.cpu_group:
+                return ep.device_group
+        raise RuntimeError(
+            "mori-sglang's all2all manager only serves vLLM's expert-parallel group (or elastic EP's standby "
+            "one); this manager was built for another group"
+        )
 
     def destroy(self) -> None:
-        self.handle_cache = Cache()
+        """vLLM's teardown (shutdown, elastic EP's reconfiguration): close every op, as vLLM's native
+        managers destroy their handles, so that native MoRI's windows and communicators are freed."""
+        with self.handle_cache._lock:
+            for op in list(self.handle_cache._cache.values()):
+                op.close()
+            self.handle_cache._cache.clear()

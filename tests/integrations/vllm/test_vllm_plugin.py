@@ -405,3 +405,68 @@ def test_rows_past_the_received_count_reach_vllms_quantizer_as_zeros(
         assert values.shape == (world_size * capacity, HIDDEN) and 0 < received < values.shape[0]
         assert torch.equal(values[:received], pf._received.tokens[:received])
         assert torch.equal(values[received:], torch.zeros_like(values[received:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the manager under elastic EP: the standby group's layers, and teardown
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_standby_ep_groups_manager_finds_its_device_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elastic EP stages the new layers' prepare/finalize on the standby EP group's manager while
+    ``get_ep_group()`` still names the old group: each manager takes the device group of the
+    coordinator that owns its cpu group, and one of no EP group is refused by name."""
+    from types import SimpleNamespace
+
+    from mori_sglang.integrations.vllm import all2all as ours
+
+    old = SimpleNamespace(cpu_group=object(), device_group=object())
+    standby = SimpleNamespace(cpu_group=object(), device_group=object())
+    monkeypatch.setattr(ours, "get_ep_group", lambda: old)
+    monkeypatch.setattr(ours, "get_standby_ep_group", lambda: None)
+    managers = {}
+    for name, coordinator in (("old", old), ("standby", standby), ("other", SimpleNamespace(cpu_group=object()))):
+        managers[name] = object.__new__(MoriSglangAll2AllManager)
+        managers[name].cpu_group = coordinator.cpu_group
+    gpu = torch.device("cuda", 0)
+    assert managers["old"]._group_for(gpu) is old.device_group
+    assert managers["old"]._group_for(torch.device("cpu")) is old.cpu_group
+    with pytest.raises(RuntimeError, match="this manager was built for another group"):
+        managers["standby"]._group_for(gpu)  # no scaling staged
+    monkeypatch.setattr(ours, "get_standby_ep_group", lambda: standby)
+    assert managers["standby"]._group_for(gpu) is standby.device_group
+    assert managers["old"]._group_for(gpu) is old.device_group
+    with pytest.raises(RuntimeError, match="this manager was built for another group"):
+        managers["other"]._group_for(gpu)
+
+
+def test_destroy_closes_every_op_and_a_closed_op_refuses_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM destroys the manager at shutdown and on every elastic EP reconfiguration: each cached op
+    is closed once (native MoRI EP v2 frees its window and communicator there), the cache is emptied,
+    and a closed op refuses the next send by name."""
+    from vllm.distributed.device_communicators.base_device_communicator import Cache
+
+    manager = object.__new__(MoriSglangAll2AllManager)
+    manager.all2all_backend, manager.handle_cache = "mori_low_latency", Cache()
+    config = EpConfig(
+        world_size=2, rank=0, hidden=HIDDEN, num_experts=4, topk=2, max_tokens_per_rank=4, provider="torch"
+    )
+    ops = [LoopbackWorld(config).ops[0] for _ in range(2)]
+    closed: list[int] = []
+    for index, op in enumerate(ops):
+        monkeypatch.setattr(op.provider, "close", lambda index=index: closed.append(index))
+    built = iter(ops)
+    monkeypatch.setattr(manager, "_make_op", lambda config: next(built))
+    handles = [manager.get_handle(handle_kwargs(torch.bfloat16, 0, token_hidden_size=h)) for h in (7168, 4096)]
+    assert handles == ops and manager.get_handle(handle_kwargs(torch.bfloat16, 0)) is ops[0]
+    manager.destroy()
+    assert sorted(closed) == [0, 1] and len(manager.handle_cache._cache) == 0
+    ops[0].close()
+    assert sorted(closed) == [0, 1]
+    x, weights, ids = (
+        torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
+        torch.ones(1, 2),
+        torch.zeros(1, 2, dtype=torch.int32),
+    )
+    with pytest.raises(RuntimeError, match="dispatch_send on a closed op"):
+        ops[0].dispatch_send(x, weights, None, ids)
