@@ -39,8 +39,10 @@ _OP_IDENTS = itertools.count(1)
 class EpDispatchCombineOp:
     """Dispatch/combine for one rank of an expert-parallel group.
 
-    ``group``: a torch.distributed ProcessGroup (default: the world group). ``loopback``: a
-    LoopbackHub shared by the ops of a one-process world (see ``LoopbackWorld``).
+    ``group``: a torch.distributed ProcessGroup (default: the world group). ``cpu_group``: a gloo group
+    over the same ranks, for host-side bootstraps (SGLang's and vLLM's CPU group; default: one made from
+    ``group`` where a provider needs it). ``loopback``: a LoopbackHub shared by the ops of a one-process
+    world (see ``LoopbackWorld``).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class EpDispatchCombineOp:
         *,
         device: torch.device | str | None = None,
         loopback: LoopbackHub | None = None,
+        cpu_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.ident = next(_OP_IDENTS)  # stamped on every handle this op's dispatches make
@@ -65,7 +68,9 @@ class EpDispatchCombineOp:
         self.scale_bytes = config.scale_bytes if config.scale_bytes is not None else self._format_scale_bytes
         self.layout = formats.DispatchRowLayout(self.token_bytes, self.scale_bytes, config.topk)
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
-        setup = ProviderSetup(config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback)
+        setup = ProviderSetup(
+            config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback, cpu_group
+        )
         self.provider = build_provider(self.provider_kind, setup)
         # A send not yet received, per kind ("dispatch", "combine"): a second send would overwrite it.
         self._in_flight = {"dispatch": False, "combine": False}

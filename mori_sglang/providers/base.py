@@ -56,7 +56,10 @@ class ProviderSetup:
     """Everything a provider is built from; the op makes it once per rank.
 
     ``payload_dtype``: the element type of a dispatched token on the wire. ``group``: the ranks' process
-    group (None: the world group); ``loopback``: the shared state of a one-process world instead.
+    group (None: the world group); ``loopback``: the shared state of a one-process world instead;
+    ``cpu_group``: a gloo group over the same ranks for host-side bootstraps (native MoRI's shmem), where
+    the caller has one: making one is a collective over the default group, which ranks outside
+    ``group`` (another pipeline stage's) do not join at the same moment.
     """
 
     config: EpConfig
@@ -66,6 +69,7 @@ class ProviderSetup:
     payload_dtype: torch.dtype
     group: dist.ProcessGroup | None = None
     loopback: LoopbackHub | None = None
+    cpu_group: dist.ProcessGroup | None = None
 
 
 class EpProvider(ABC):

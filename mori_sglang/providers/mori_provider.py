@@ -42,7 +42,8 @@ _shmem_ready = False
 
 def _bootstrap_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """MoRI's bootstrap exchanges host buffers: a gloo group over the same ranks (SGLang and vLLM
-    hand it their CPU group). Building one is a collective over the default group."""
+    hand the op their CPU group). Building one here is a collective over the default group, which
+    every rank must join: only for callers without a CPU group."""
     if dist.get_backend(group) == "gloo":
         return group
     return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")

@@ -153,7 +153,7 @@ class MoriV1Provider(MoriProvider):
         self.kernel = kernel_type_name(config)
         check_combine_quantization(config, self.kernel)
         check_receive_cap(config, self.kernel)
-        init_shmem(group or dist.group.WORLD)
+        init_shmem(setup.cpu_group or group or dist.group.WORLD)
         kwargs = mori_config_kwargs(config, layout, self.token_dtype, setup.payload_dtype, _compute_units(device))
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)
         # Older MoRI releases lack some fields (quant_type, rdma_block_num...): pass what this one has.

@@ -221,6 +221,32 @@ def test_a_receive_cap_intranode_does_not_check_is_refused(
         check_receive_cap(cfg, kernel_type_name(cfg))
 
 
+class _Bootstrapped(Exception):
+    """Stops building the op once MoRI's shmem bootstrap has been handed its group."""
+
+
+def test_mori_shmem_bootstraps_over_the_callers_cpu_group(fake_mori: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang and vLLM hand the op their gloo CPU group: MoRI's shmem bootstraps over it, not over a
+    gloo group made from the device group (a collective over the default group, which hangs where
+    only one pipeline stage's ranks make it). Without one the device group is handed on."""
+    from mori_sglang.providers import mori_v1
+
+    handed: list[object] = []
+
+    def init_shmem(group: object) -> None:
+        handed.append(group)
+        raise _Bootstrapped
+
+    monkeypatch.setattr(providers, "mori_available", lambda: True)
+    monkeypatch.setattr(mori_v1, "init_shmem", init_shmem)
+    cfg = EpConfig(2, 0, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=Mode.LOW_LATENCY, provider="mori")
+    device_group, cpu_group = object(), object()
+    for kwargs, want in (({"cpu_group": cpu_group}, cpu_group), ({}, device_group)):
+        with pytest.raises(_Bootstrapped):
+            EpDispatchCombineOp(cfg, device_group, device="cpu", **kwargs)
+        assert handed.pop() is want
+
+
 @pytest.mark.parametrize("gpu_fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn])
 @pytest.mark.parametrize("op_fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn])
 def test_fp8_tokens_go_to_mori_in_the_flavour_it_builds_for_the_gpu(

@@ -93,7 +93,11 @@ class _InFlight:
 
 @functools.cache
 def _shared_op(
-    config: EpConfig, group: dist.ProcessGroup, device: torch.device, instance_id: int
+    config: EpConfig,
+    group: dist.ProcessGroup,
+    cpu_group: dist.ProcessGroup | None,
+    device: torch.device,
+    instance_id: int,
 ) -> EpDispatchCombineOp:
     """One op per distinct config, group and two-batch-overlap instance, shared by every layer.
 
@@ -101,7 +105,7 @@ def _shared_op(
     only between a send and its receive, which never straddles another layer's call on the same
     instance. Sharing keeps the buffers at one set per instance instead of one per layer.
     """
-    op = EpDispatchCombineOp(config, group, device=device)
+    op = EpDispatchCombineOp(config, group, device=device, cpu_group=cpu_group)
     logger.info(
         "mori-sglang op: rank %d/%d mode=%s dispatch=%s combine=%s provider=%s max_tokens=%d instance=%d",
         config.rank,
@@ -132,6 +136,13 @@ def _process_group(group: Any) -> dist.ProcessGroup:
     if isinstance(device_group, dist.ProcessGroup):
         return device_group
     raise TypeError(f"group must be a ProcessGroup or have a device_group ProcessGroup, got {type(group).__name__}")
+
+
+def _cpu_group(group: Any) -> dist.ProcessGroup | None:
+    """The GroupCoordinator's gloo group, for native MoRI's shmem bootstrap (as SGLang's own MoRI
+    dispatcher registers it); None for a bare ProcessGroup."""
+    cpu_group = getattr(group, "cpu_group", None)
+    return cpu_group if isinstance(cpu_group, dist.ProcessGroup) else None
 
 
 class MoriSglangDispatcher(BaseDispatcher):
@@ -178,6 +189,7 @@ class MoriSglangDispatcher(BaseDispatcher):
         self.instance_id = instance_id
 
         self.process_group = _process_group(group)
+        self.cpu_group = _cpu_group(group)
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.device = current_device()
@@ -239,7 +251,7 @@ class MoriSglangDispatcher(BaseDispatcher):
             self._op(mode)
 
     def _op(self, mode: DeepEPMode) -> EpDispatchCombineOp:
-        return _shared_op(self._configs[mode], self.process_group, self.device, self.instance_id)
+        return _shared_op(self._configs[mode], self.process_group, self.cpu_group, self.device, self.instance_id)
 
     def _resolve_mode(self) -> DeepEPMode:
         return self.deepep_mode.resolve(get_is_extend_in_batch())

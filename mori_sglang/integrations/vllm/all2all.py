@@ -96,7 +96,7 @@ class MoriSglangAll2AllManager(All2AllManagerBase):
 
     def _make_op(self, config: EpConfig) -> EpDispatchCombineOp:
         device = current_device()
-        return EpDispatchCombineOp(config, group=self._group_for(device), device=device)
+        return EpDispatchCombineOp(config, group=self._group_for(device), device=device, cpu_group=self.cpu_group)
 
     def _group_for(self, device: torch.device) -> dist.ProcessGroup:
         """CPU tensors travel over the manager's gloo group; GPU tensors need its EP group's device group.

@@ -204,7 +204,7 @@ def test_sglang_factory_builds_ours(
     assert [type(d) for d in inners] == [MoriSglangDispatcher] * (2 if tbo else 1)
     assert [d.instance_id for d in inners] == list(range(len(inners)))
     for d in inners:
-        assert d.group is tp and d.process_group is tp.device_group
+        assert d.group is tp and d.process_group is tp.device_group and d.cpu_group is tp.cpu_group
         assert (d.router_topk, d.num_experts, d.num_local_experts, d.hidden_size) == (TOPK, 8, 8, HIDDEN)
         assert d.params_dtype == torch.bfloat16 and d.deepep_mode is deepep_mode
         assert d.permute_fusion and d.async_finish and d.return_recv_hook
