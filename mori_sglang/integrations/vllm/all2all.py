@@ -8,11 +8,14 @@ map those keywords, and the ``SGLANG_MORI_*`` environment with the SGLang plugin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import vllm.envs as envs
+from vllm.config import get_current_vllm_config
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
 from vllm.distributed.elastic_ep.standby_state import get_standby_ep_group
 from vllm.distributed.parallel_state import get_ep_group
@@ -20,6 +23,7 @@ from vllm.distributed.parallel_state import get_ep_group
 from mori_sglang.config import EpConfig
 from mori_sglang.integrations import current_device
 from mori_sglang.op import EpDispatchCombineOp
+from mori_sglang.providers.mori_provider import init_shmem
 from mori_sglang.wire_formats import FP8_BLOCK
 
 HIGH_THROUGHPUT = "mori_high_throughput"
@@ -68,6 +72,29 @@ def ep_config_from_vllm(backend: str, kwargs: Mapping[str, Any], environ: Mappin
     )
 
 
+MEGA_MOE = "aiter_mega_moe"
+
+
+def bootstrap_mega_moe(cpu_group: dist.ProcessGroup, vllm_config: Any) -> None:
+    """``--moe-backend aiter_mega_moe``: AITER's MegaMoE runs its own dispatch and combine on MoRI's
+    symmetric heap and never asks the manager for a handle, so the manager bootstraps MoRI's shmem when
+    it is built, as vLLM's native MoRI manager does, with its heap size unless ``MORI_SHMEM_HEAP_SIZE``
+    is set (8G, 16G where a fused mxfp4 shared expert may be placed there too)."""
+    if vllm_config.kernel_config.moe_backend != MEGA_MOE:
+        return
+    targets = getattr(vllm_config.model_config.quantization_config, "targets", None) or {}
+    fused_shared = envs.VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS and "mxfp4" in targets.values()
+    os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", "16G" if fused_shared else "8G")
+    try:
+        import mori  # noqa: F401
+    except ModuleNotFoundError:
+        raise RuntimeError(
+            f"--moe-backend {MEGA_MOE} runs on MoRI's shmem, and MoRI does not import here: install MoRI "
+            "(https://github.com/ROCm/mori) or pick another --moe-backend"
+        ) from None
+    init_shmem(cpu_group)
+
+
 def expert_parallel_groups() -> list[Any]:
     """vLLM's EP group coordinator, then elastic EP's standby one while a scaling is staged."""
     groups = [get_ep_group()]
@@ -89,6 +116,7 @@ class MoriSglangAll2AllManager(All2AllManagerBase):
         super().__init__(cpu_group)
         self.all2all_backend = all2all_backend
         self.handle_cache = Cache()
+        bootstrap_mega_moe(cpu_group, get_current_vllm_config())
 
     def get_handle(self, kwargs: dict[str, Any]) -> EpDispatchCombineOp:
         config = ep_config_from_vllm(self.all2all_backend, kwargs)

@@ -470,3 +470,45 @@ def test_destroy_closes_every_op_and_a_closed_op_refuses_sends(monkeypatch: pyte
     )
     with pytest.raises(RuntimeError, match="dispatch_send on a closed op"):
         ops[0].dispatch_send(x, weights, None, ids)
+
+
+def test_mega_moe_bootstraps_moris_shmem_when_the_manager_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--moe-backend aiter_mega_moe`` never asks for a handle but runs on MoRI's shmem: the manager
+    bootstraps it over its CPU group with native MoRI's heap size (a size the user set is kept), refuses
+    by name where MoRI does not import, and does nothing for other experts."""
+    import os
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from mori_sglang.integrations.vllm import all2all as ours
+
+    def vllm_config(backend: str, targets: dict | None = None) -> SimpleNamespace:
+        return SimpleNamespace(
+            kernel_config=SimpleNamespace(moe_backend=backend),
+            model_config=SimpleNamespace(quantization_config=SimpleNamespace(targets=targets)),
+        )
+
+    handed: list[object] = []
+    monkeypatch.setattr(ours, "init_shmem", handed.append)
+    monkeypatch.delenv("MORI_SHMEM_HEAP_SIZE", raising=False)
+    group = object()
+    ours.bootstrap_mega_moe(group, vllm_config("triton"))
+    assert handed == [] and "MORI_SHMEM_HEAP_SIZE" not in os.environ
+    assert "mori" not in sys.modules
+    with pytest.raises(RuntimeError, match="--moe-backend aiter_mega_moe runs on MoRI's shmem"):
+        ours.bootstrap_mega_moe(group, vllm_config("aiter_mega_moe"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "fake_mori"))
+    try:
+        cases = ((False, None, "8G"), (True, {"w13": "mxfp4"}, "16G"), (False, {"w13": "mxfp4"}, "8G"))
+        for fused, targets, heap in cases:
+            monkeypatch.delenv("MORI_SHMEM_HEAP_SIZE")
+            monkeypatch.setattr(ours.envs, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS", fused, raising=False)
+            ours.bootstrap_mega_moe(group, vllm_config("aiter_mega_moe", targets))
+            assert handed.pop() is group and os.environ["MORI_SHMEM_HEAP_SIZE"] == heap
+        monkeypatch.setenv("MORI_SHMEM_HEAP_SIZE", "12G")
+        ours.bootstrap_mega_moe(group, vllm_config("aiter_mega_moe"))
+        assert handed.pop() is group and os.environ["MORI_SHMEM_HEAP_SIZE"] == "12G"
+    finally:
+        for name in [m for m in sys.modules if m == "mori" or m.startswith("mori.")]:
+            del sys.modules[name]
