@@ -19,12 +19,15 @@ from vllm.config import get_current_vllm_config
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
 from vllm.distributed.elastic_ep.standby_state import get_standby_ep_group
 from vllm.distributed.parallel_state import get_ep_group
+from vllm.logger import init_logger
 
 from mori_sglang.config import EpConfig
 from mori_sglang.integrations import current_device
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.providers.mori_provider import init_shmem
 from mori_sglang.wire_formats import FP8_BLOCK
+
+logger = init_logger(__name__)
 
 HIGH_THROUGHPUT = "mori_high_throughput"
 LOW_LATENCY = "mori_low_latency"
@@ -120,6 +123,12 @@ class MoriSglangAll2AllManager(All2AllManagerBase):
 
     def get_handle(self, kwargs: dict[str, Any]) -> EpDispatchCombineOp:
         config = ep_config_from_vllm(self.all2all_backend, kwargs)
+        if kwargs.get("input_dtype", torch.bfloat16) != torch.bfloat16:
+            logger.warning_once(
+                "mori-sglang carries %s activations as bf16 both ways (dispatch and combine round to 8 "
+                "mantissa bits); serve the model in bfloat16 (--dtype bfloat16) to keep them as they are",
+                kwargs["input_dtype"],
+            )
         return self.handle_cache.get_or_create({"config": config}, self._make_op)
 
     def _make_op(self, config: EpConfig) -> EpDispatchCombineOp:

@@ -512,3 +512,21 @@ def test_mega_moe_bootstraps_moris_shmem_when_the_manager_is_built(monkeypatch: 
     finally:
         for name in [m for m in sys.modules if m == "mori" or m.startswith("mori.")]:
             del sys.modules[name]
+
+
+def test_fp16_layers_are_told_their_activations_travel_as_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wire carries bf16: an fp16 layer's activations are rounded both ways, said once, not silently."""
+    from types import SimpleNamespace
+
+    from mori_sglang.integrations.vllm import all2all as ours
+
+    warned: list[tuple] = []
+    monkeypatch.setattr(ours, "logger", SimpleNamespace(warning_once=lambda *args: warned.append(args)))
+    manager = object.__new__(MoriSglangAll2AllManager)
+    manager.all2all_backend = "mori_low_latency"
+    manager.handle_cache = SimpleNamespace(get_or_create=lambda kwargs, make: kwargs["config"])
+    manager.get_handle(handle_kwargs(torch.bfloat16, 0))
+    assert warned == []
+    config = manager.get_handle(handle_kwargs(torch.bfloat16, 0, input_dtype=torch.float16))
+    assert config.dispatch_dtype is DispatchDtype.BF16
+    assert len(warned) == 1 and "--dtype bfloat16" in warned[0][0] and warned[0][1] == torch.float16
