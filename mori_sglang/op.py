@@ -117,12 +117,15 @@ class EpDispatchCombineOp:
         if self._ids_checked_on_host:
             check_expert_ids_on_host(self.config, ids)
 
+    def _refuse_if_closed(self, call: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{call} on a closed op: build a new EpDispatchCombineOp")
+
     def _start_send(self, kind: str) -> None:
         """Refuse a send while this op's previous send of the same kind is not received: the provider
         keeps one send of each kind, so the new batch would replace the old one unseen (its tokens lost,
         its receive returning the new batch)."""
-        if self._closed:
-            raise RuntimeError(f"{kind}_send on a closed op: build a new EpDispatchCombineOp")
+        self._refuse_if_closed(f"{kind}_send")
         if self._in_flight[kind]:
             raise RuntimeError(
                 f"{kind}_send called again before {kind}_recv received the previous {kind}_send: receive each "
@@ -164,6 +167,7 @@ class EpDispatchCombineOp:
 
     def dispatch_recv(self) -> DispatchOutput:
         """Finish the dispatch started by ``dispatch_send``."""
+        self._refuse_if_closed("dispatch_recv")
         self._in_flight["dispatch"] = False  # received (or given up on) by the provider's receive
         out = self.provider.dispatch_recv(self.layout, self.payload_dtype)
         out.handle.issuer, out.handle.dispatch_number = self.ident, self._dispatches
@@ -215,6 +219,7 @@ class EpDispatchCombineOp:
 
     def combine_recv(self) -> torch.Tensor:
         """Per original token, the f32 sum over its destination ranks, as bf16 ``[num_tokens, hidden]``."""
+        self._refuse_if_closed("combine_recv")
         self._in_flight["combine"] = False
         return self.provider.combine_recv()
 
@@ -232,8 +237,8 @@ class EpDispatchCombineOp:
 
     def close(self) -> None:
         """Release what the provider holds beyond Python's memory (native MoRI EP v2: its symmetric
-        window and communicator; collective over the group, as building was). Later sends are refused;
-        closing twice does nothing."""
+        window and communicator; collective over the group, as building was). Later calls are refused
+        (a send not yet received is dropped with the provider); closing twice does nothing."""
         if not self._closed:
             self._closed = True
             self.provider.close()

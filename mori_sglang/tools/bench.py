@@ -75,8 +75,9 @@ class EagerRow:
     """One step launched from Python, per rank (the loopback world's phase over its ranks), median of the
     iterations. ``host_us``: the calls' own time, with the device kept busy so that nothing waits for it;
     ``device_us``: from the first to the last device operation the calls queued (None on CPU);
-    ``launches``: device operations (kernels, copies, fills) per call, from the profiler (None on CPU);
-    ``d2h_copies``: device-to-host copies per step; ``graph_us``: the same phases replayed from a graph;
+    ``launches``: device operations (kernels, copies, fills) per call, from the profiler (None on CPU, and
+    until ``count_eager_launches`` fills them in); ``d2h_copies``: device-to-host copies per step
+    (likewise); ``graph_us``: the same phases replayed from a graph;
     ``torch_launch_us``: one torch launch's host µs (an in-place add, timed the same way in the same
     run), the unit that makes host times of different hosts comparable (a lent VM's launches cost twice
     a bare-metal host's)."""

@@ -83,9 +83,10 @@ class ActivationPlan:
         """Received rows (payload, uint8 scale rows or None) -> the experts' ``(a1q, a1q_scale)``.
 
         ``received``: which rows hold tokens (bool ``[rows]``), where the experts get the whole receive
-        capacity; the other rows' contents are unspecified. vLLM's quantizer sees them as zeros: its
-        per-tensor scales take the amax of every row, which a stale row would set (or make NaN).
-        Formats of ours scale each row (or block) on its own, so their rows need no mask."""
+        capacity; the other rows' contents are unspecified. vLLM's quantizer, ours here or the experts'
+        own (``defer_input_quant``), sees them as zeros: its per-tensor scales take the amax of every row,
+        which a stale row would set (or make NaN). Formats of ours scale each row (or block) on its own,
+        and unquantized experts take no amax, so their rows need no mask."""
         if self.wire is DispatchDtype.BF16:
             values = payload
         else:
@@ -94,6 +95,11 @@ class ActivationPlan:
                 return _typed(payload, scales, self.wire)
             wire_payload, wire_scales = _typed(payload, scales, self.wire)
             values = formats.dequantize_dispatch(wire_payload, wire_scales, self.wire, self.hidden)
+        vllm_quantizes = self.target is None or (
+            self.target is DispatchDtype.BF16 and self.quant_config.quant_dtype is not None
+        )
+        if received is not None and vllm_quantizes:
+            values = values.masked_fill(~received[:, None], 0)
         if self.target is DispatchDtype.BF16:
             return values.to(self.in_dtype), None
         if self.target is not None:
@@ -101,8 +107,6 @@ class ActivationPlan:
             assert q_scales is not None, "quantized formats always have scales"
             return _typed(q, q_scales, self.target)
         qc = self.quant_config
-        if received is not None:
-            values = values.masked_fill(~received[:, None], 0)
         return moe_kernel_quantize_input(
             values.to(self.in_dtype),
             qc.a1_gscale if qc.quant_dtype == "nvfp4" else qc.a1_scale,

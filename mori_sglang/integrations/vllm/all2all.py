@@ -17,7 +17,6 @@ import torch.distributed as dist
 import vllm.envs as envs
 from vllm.config import get_current_vllm_config
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
-from vllm.distributed.elastic_ep.standby_state import get_standby_ep_group
 from vllm.distributed.parallel_state import get_ep_group
 from vllm.logger import init_logger
 
@@ -98,15 +97,6 @@ def bootstrap_mega_moe(cpu_group: dist.ProcessGroup, vllm_config: Any) -> None:
     init_shmem(cpu_group)
 
 
-def expert_parallel_groups() -> list[Any]:
-    """vLLM's EP group coordinator, then elastic EP's standby one while a scaling is staged."""
-    groups = [get_ep_group()]
-    standby = get_standby_ep_group()
-    if standby is not None:
-        groups.append(standby)
-    return groups
-
-
 class MoriSglangAll2AllManager(All2AllManagerBase):
     """vLLM's ``All2AllManagerBase`` for the MoRI names; ``get_handle`` returns an ``EpDispatchCombineOp``.
 
@@ -116,47 +106,55 @@ class MoriSglangAll2AllManager(All2AllManagerBase):
     def __init__(self, cpu_group: dist.ProcessGroup, all2all_backend: str) -> None:
         if all2all_backend not in BACKENDS:
             raise ValueError(f"all2all backend {all2all_backend!r} is not one of {', '.join(BACKENDS)}")
+        vllm_config = get_current_vllm_config()
+        if vllm_config.parallel_config.enable_elastic_ep:
+            raise ValueError(
+                f"--all2all-backend {all2all_backend} (mori-sglang) does not run with --enable-elastic-ep: elastic "
+                "EP's stateless groups are unknown to torch.distributed, which builds the op's exchange; serve "
+                "without elastic EP or with another all2all backend"
+            )
         super().__init__(cpu_group)
         self.all2all_backend = all2all_backend
         self.handle_cache = Cache()
-        bootstrap_mega_moe(cpu_group, get_current_vllm_config())
+        self._ops: list[EpDispatchCombineOp] = []  # vLLM's cache holds them weakly; destroy() closes them all
+        bootstrap_mega_moe(cpu_group, vllm_config)
 
     def get_handle(self, kwargs: dict[str, Any]) -> EpDispatchCombineOp:
         config = ep_config_from_vllm(self.all2all_backend, kwargs)
         if kwargs.get("input_dtype", torch.bfloat16) != torch.bfloat16:
             logger.warning_once(
-                "mori-sglang carries %s activations as bf16 both ways (dispatch and combine round to 8 "
-                "mantissa bits); serve the model in bfloat16 (--dtype bfloat16) to keep them as they are",
+                "mori-sglang carries %s activations as bf16 both ways (dispatch and combine round them to 8 "
+                "significant bits); serve the model in bfloat16 (--dtype bfloat16) to keep them as they are",
                 kwargs["input_dtype"],
             )
         return self.handle_cache.get_or_create({"config": config}, self._make_op)
 
     def _make_op(self, config: EpConfig) -> EpDispatchCombineOp:
         device = current_device()
-        return EpDispatchCombineOp(config, group=self._group_for(device), device=device, cpu_group=self.cpu_group)
+        op = EpDispatchCombineOp(config, group=self._group_for(device), device=device, cpu_group=self.cpu_group)
+        self._ops.append(op)
+        return op
 
     def _group_for(self, device: torch.device) -> dist.ProcessGroup:
-        """CPU tensors travel over the manager's gloo group; GPU tensors need its EP group's device group.
+        """CPU tensors travel over the manager's gloo group; GPU tensors need the EP group's device group.
 
         vLLM hands the manager only the cpu group, and builds it while the EP group is still being
-        made, so the device group is looked up when the first op is, by then the EP group exists. Under
-        elastic EP the manager may belong to the standby EP group, whose layers are staged while
-        ``get_ep_group()`` still names the old one.
+        made, so the device group is looked up when the first op is, by then the EP group exists.
         """
         if device.type == "cpu":
             return self.cpu_group
-        for ep in expert_parallel_groups():
-            if ep.cpu_group is self.cpu_group:
-                return ep.device_group
-        raise RuntimeError(
-            "mori-sglang's all2all manager only serves vLLM's expert-parallel group (or elastic EP's standby "
-            "one); this manager was built for another group"
-        )
+        ep = get_ep_group()
+        if ep.cpu_group is not self.cpu_group:
+            raise RuntimeError(
+                "mori-sglang's all2all manager only serves vLLM's expert-parallel group; "
+                "this manager was built for another group"
+            )
+        return ep.device_group
 
     def destroy(self) -> None:
-        """vLLM's teardown (shutdown, elastic EP's reconfiguration): close every op, as vLLM's native
-        managers destroy their handles, so that native MoRI's windows and communicators are freed."""
-        with self.handle_cache._lock:
-            for op in list(self.handle_cache._cache.values()):
-                op.close()
-            self.handle_cache._cache.clear()
+        """vLLM's teardown: close every op this manager built, as vLLM's native managers destroy their
+        handles, so that native MoRI's windows and communicators are freed; later handles are built anew."""
+        for op in self._ops:
+            op.close()
+        self._ops.clear()
+        self.handle_cache = Cache()

@@ -47,7 +47,7 @@ from sglang.srt.runtime_context import get_flags, get_forward, get_parallel  # n
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from mori_sglang import env, formats  # noqa: E402
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode  # noqa: E402
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode  # noqa: E402
 from mori_sglang.env import EnvError  # noqa: E402
 from mori_sglang.integrations.sglang import plugin  # noqa: E402
 from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher, release_shared_ops  # noqa: E402
@@ -830,3 +830,26 @@ def test_moe_layer_with_expert_parallelism_equals_the_layer_without(world_size: 
     """Normal, low-latency and split modes x every dispatch and combine dtype, through SGLang's factory,
     on ``world_size`` gloo ranks (one spawn per world: importing SGLang dominates the cost)."""
     run_gloo(world_size, _layer_worker, (seed,), tmp_path)
+
+
+def test_the_op_gets_the_coordinators_cpu_group(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The op runs over the device group and bootstraps native MoRI's shmem over SGLang's gloo CPU group
+    (as SGLang's own MoRI dispatcher registers it), so no group is made from the device group."""
+    from mori_sglang.integrations.sglang import dispatcher
+
+    handed: list[tuple] = []
+    real = dispatcher.EpDispatchCombineOp
+
+    def make_op(config: EpConfig, group: dist.ProcessGroup, **kwargs: object) -> object:
+        handed.append((group, kwargs.get("cpu_group")))
+        return real(config, group, **kwargs)
+
+    monkeypatch.setattr(dispatcher, "EpDispatchCombineOp", make_op)
+    release_shared_ops()
+    d = make_dispatcher(tp, DeepEPMode.AUTO)
+    for mode in d._configs:
+        d._op(mode)
+    assert len(handed) == len(d._configs) >= 1
+    assert all(group is tp.device_group and cpu_group is tp.cpu_group for group, cpu_group in handed)

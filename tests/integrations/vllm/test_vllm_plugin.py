@@ -7,8 +7,13 @@ Every test that registers the plugin restores vLLM's module attributes afterward
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 from collections.abc import Iterator
 from importlib.metadata import entry_points
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +35,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 from mori_sglang import formats
 from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.env import EnvError
-from mori_sglang.integrations.vllm import plugin
+from mori_sglang.integrations.vllm import activations, plugin
+from mori_sglang.integrations.vllm import all2all as ours
 from mori_sglang.integrations.vllm.activations import ActivationPlan, expert_format
 from mori_sglang.integrations.vllm.all2all import MoriSglangAll2AllManager, ep_config_from_vllm
 from mori_sglang.integrations.vllm.prepare_finalize import MoriSglangPrepareAndFinalize
@@ -355,13 +361,14 @@ def test_low_latency_hooks_with_router_weight_on_input(seed: int) -> None:
         assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["ours_quantizes", "experts_quantize"])
 def test_rows_past_the_received_count_reach_vllms_quantizer_as_zeros(
-    monkeypatch: pytest.MonkeyPatch, seed: int
+    monkeypatch: pytest.MonkeyPatch, seed: int, defer: bool
 ) -> None:
     """A low-latency prepare hands the experts the whole receive capacity, whose rows past the received
     count are unspecified (poisoned here with NaN and 1e4). vLLM's dynamic per-tensor quantizer takes its
-    amax over every row it gets, so it must see those rows as zeros and the received rows as they came."""
-    from mori_sglang.integrations.vllm import activations
+    amax over every row it gets, so it must see those rows as zeros and the received rows as they came,
+    whether the prepare runs it or the experts do (``defer_input_quant``: they get the bf16 rows)."""
 
     seen: list[torch.Tensor] = []
 
@@ -393,15 +400,16 @@ def test_rows_past_the_received_count_reach_vllms_quantizer_as_zeros(
     tokens = [make_tokens("normal", n, HIDDEN, gen) for n in (3, 2)]
     ids = [torch.rand(x.shape[0], experts, generator=gen).topk(2, dim=1).indices.int() for x in tokens]
     pending = [
-        pf.prepare_async(x, torch.rand(x.shape[0], 2, generator=gen), i, experts, None, False, per_tensor, False)
+        pf.prepare_async(x, torch.rand(x.shape[0], 2, generator=gen), i, experts, None, False, per_tensor, defer)
         for pf, x, i in zip(pfs, tokens, ids, strict=True)
     ]
     for hook, _ in pending:
         hook()
     for pf, (_, receiver) in zip(pfs, pending, strict=True):
-        receiver()
+        a1q, a1q_scale, *_ = receiver()
         received = int(pf._received.num_recv)
-        values = seen.pop(0)
+        values = a1q if defer else seen.pop(0)
+        assert (a1q_scale is None) is defer and not (defer and seen)
         assert values.shape == (world_size * capacity, HIDDEN) and 0 < received < values.shape[0]
         assert torch.equal(values[:received], pf._received.tokens[:received])
         assert torch.equal(values[received:], torch.zeros_like(values[received:]))
@@ -412,42 +420,45 @@ def test_rows_past_the_received_count_reach_vllms_quantizer_as_zeros(
 # ---------------------------------------------------------------------------------------------
 
 
-def test_a_standby_ep_groups_manager_finds_its_device_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Elastic EP stages the new layers' prepare/finalize on the standby EP group's manager while
-    ``get_ep_group()`` still names the old group: each manager takes the device group of the
-    coordinator that owns its cpu group, and one of no EP group is refused by name."""
-    from types import SimpleNamespace
+def test_elastic_ep_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elastic EP's groups are stateless process groups torch.distributed does not know, which the op's
+    exchange and bootstraps look ranks up in: the manager refuses it when vLLM builds it."""
+    for elastic in (True, False):
+        config = SimpleNamespace(
+            parallel_config=SimpleNamespace(enable_elastic_ep=elastic),
+            kernel_config=SimpleNamespace(moe_backend="triton"),
+        )
+        monkeypatch.setattr(ours, "get_current_vllm_config", lambda config=config: config)
+        if elastic:
+            with pytest.raises(ValueError, match="does not run with --enable-elastic-ep"):
+                MoriSglangAll2AllManager(object(), "mori_low_latency")
+        else:  # past the check, vLLM's base class needs its distributed state, which this test lacks
+            with pytest.raises(AssertionError):
+                MoriSglangAll2AllManager(object(), "mori_low_latency")
 
-    from mori_sglang.integrations.vllm import all2all as ours
 
-    old = SimpleNamespace(cpu_group=object(), device_group=object())
-    standby = SimpleNamespace(cpu_group=object(), device_group=object())
-    monkeypatch.setattr(ours, "get_ep_group", lambda: old)
-    monkeypatch.setattr(ours, "get_standby_ep_group", lambda: None)
-    managers = {}
-    for name, coordinator in (("old", old), ("standby", standby), ("other", SimpleNamespace(cpu_group=object()))):
-        managers[name] = object.__new__(MoriSglangAll2AllManager)
-        managers[name].cpu_group = coordinator.cpu_group
+def test_a_manager_serves_the_ep_group_it_was_built_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = SimpleNamespace(cpu_group=object(), device_group=object())
+    monkeypatch.setattr(ours, "get_ep_group", lambda: ep)
+    manager, other = object.__new__(MoriSglangAll2AllManager), object.__new__(MoriSglangAll2AllManager)
+    manager.cpu_group, other.cpu_group = ep.cpu_group, object()
     gpu = torch.device("cuda", 0)
-    assert managers["old"]._group_for(gpu) is old.device_group
-    assert managers["old"]._group_for(torch.device("cpu")) is old.cpu_group
+    assert manager._group_for(gpu) is ep.device_group
+    assert manager._group_for(torch.device("cpu")) is ep.cpu_group
     with pytest.raises(RuntimeError, match="this manager was built for another group"):
-        managers["standby"]._group_for(gpu)  # no scaling staged
-    monkeypatch.setattr(ours, "get_standby_ep_group", lambda: standby)
-    assert managers["standby"]._group_for(gpu) is standby.device_group
-    assert managers["old"]._group_for(gpu) is old.device_group
-    with pytest.raises(RuntimeError, match="this manager was built for another group"):
-        managers["other"]._group_for(gpu)
+        other._group_for(gpu)
 
 
-def test_destroy_closes_every_op_and_a_closed_op_refuses_sends(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM destroys the manager at shutdown and on every elastic EP reconfiguration: each cached op
-    is closed once (native MoRI EP v2 frees its window and communicator there), the cache is emptied,
-    and a closed op refuses the next send by name."""
+def test_destroy_closes_every_op_and_a_closed_op_refuses_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM destroys the manager at shutdown: every op it built is closed once (native MoRI EP v2 frees
+    its window and communicator there), also those whose layers vLLM has dropped (its handle cache holds
+    them weakly), and a closed op refuses the next call by name. Each op gets the manager's CPU group
+    for native MoRI's bootstrap."""
     from vllm.distributed.device_communicators.base_device_communicator import Cache
 
     manager = object.__new__(MoriSglangAll2AllManager)
-    manager.all2all_backend, manager.handle_cache = "mori_low_latency", Cache()
+    manager.all2all_backend, manager.handle_cache, manager._ops = "mori_low_latency", Cache(), []
+    manager.cpu_group = object()
     config = EpConfig(
         world_size=2, rank=0, hidden=HIDDEN, num_experts=4, topk=2, max_tokens_per_rank=4, provider="torch"
     )
@@ -456,32 +467,36 @@ def test_destroy_closes_every_op_and_a_closed_op_refuses_sends(monkeypatch: pyte
     for index, op in enumerate(ops):
         monkeypatch.setattr(op.provider, "close", lambda index=index: closed.append(index))
     built = iter(ops)
-    monkeypatch.setattr(manager, "_make_op", lambda config: next(built))
+    handed: list[dict] = []
+
+    def make_op(config: EpConfig, group: object, **kwargs: object) -> object:
+        handed.append({"group": group, **kwargs})
+        return next(built)
+
+    monkeypatch.setattr(ours, "EpDispatchCombineOp", make_op)
+    monkeypatch.setattr(ours, "current_device", lambda: torch.device("cpu"))
     handles = [manager.get_handle(handle_kwargs(torch.bfloat16, 0, token_hidden_size=h)) for h in (7168, 4096)]
     assert handles == ops and manager.get_handle(handle_kwargs(torch.bfloat16, 0)) is ops[0]
+    assert [h["cpu_group"] for h in handed] == [manager.cpu_group] * 2
+    first = ops[0]
+    del handles, ops
+    gc.collect()  # vLLM's layers let go of their handles; the manager still closes both
     manager.destroy()
-    assert sorted(closed) == [0, 1] and len(manager.handle_cache._cache) == 0
-    ops[0].close()
+    assert sorted(closed) == [0, 1] and manager._ops == [] and len(manager.handle_cache._cache) == 0
+    first.close()
     assert sorted(closed) == [0, 1]
-    x, weights, ids = (
-        torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
-        torch.ones(1, 2),
-        torch.zeros(1, 2, dtype=torch.int32),
-    )
+    x, weights = torch.zeros(1, HIDDEN, dtype=torch.bfloat16), torch.ones(1, 2)
     with pytest.raises(RuntimeError, match="dispatch_send on a closed op"):
-        ops[0].dispatch_send(x, weights, None, ids)
+        first.dispatch_send(x, weights, None, torch.zeros(1, 2, dtype=torch.int32))
+    for receive in (first.dispatch_recv, first.combine_recv):
+        with pytest.raises(RuntimeError, match=f"{receive.__name__} on a closed op"):
+            receive()
 
 
 def test_mega_moe_bootstraps_moris_shmem_when_the_manager_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--moe-backend aiter_mega_moe`` never asks for a handle but runs on MoRI's shmem: the manager
     bootstraps it over its CPU group with native MoRI's heap size (a size the user set is kept), refuses
     by name where MoRI does not import, and does nothing for other experts."""
-    import os
-    import sys
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    from mori_sglang.integrations.vllm import all2all as ours
 
     def vllm_config(backend: str, targets: dict | None = None) -> SimpleNamespace:
         return SimpleNamespace(
@@ -516,9 +531,6 @@ def test_mega_moe_bootstraps_moris_shmem_when_the_manager_is_built(monkeypatch: 
 
 def test_fp16_layers_are_told_their_activations_travel_as_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wire carries bf16: an fp16 layer's activations are rounded both ways, said once, not silently."""
-    from types import SimpleNamespace
-
-    from mori_sglang.integrations.vllm import all2all as ours
 
     warned: list[tuple] = []
     monkeypatch.setattr(ours, "logger", SimpleNamespace(warning_once=lambda *args: warned.append(args)))
