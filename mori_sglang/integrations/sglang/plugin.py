@@ -30,6 +30,11 @@ A2A_RESOLUTION_STEP = "handle_a2a_moe"
 # The --moe-runner-backend values whose experts consume our dispatch outputs where AITER does not run
 # them: auto resolves to triton for mori layers (deep_gemm only for the DeepEP-family backends).
 TRITON_RUNNER_BACKENDS = ("auto", "triton")
+# Quantizations whose FusedMoE quant method hands MoRI's dispatch output to the Triton runner as it is
+# (None: unquantized). The others read ``dispatch_output.topk_output``, a field of SGLang's standard
+# dispatch output that MoRI's outputs lack, or run their own kernels (w8a8_int8, modelopt_*, mxfp4,
+# compressed_tensors' MoE schemes, gguf, bitsandbytes, w4afp8, quark...).
+TRITON_QUANTIZATIONS = ("fp8", "w8a8_fp8", "blockwise_int8", "moe_wna16")
 
 _READERS: dict[str, Callable[[str, Mapping[str, str] | None], object]] = {
     "bool": env.get_bool,
@@ -62,13 +67,29 @@ def aiter_runs_experts() -> bool:
 
 
 def moe_impl_class(original: Callable[[Any], type], quant_config: Any) -> type:
-    """``get_moe_impl_class`` wrapper: ``FusedMoE`` for mori layers unless AITER runs the experts."""
+    """``get_moe_impl_class`` wrapper: ``FusedMoE`` for mori layers unless AITER runs the experts; a
+    quantization whose MoE method cannot take MoRI's outputs is refused here, when the model is built,
+    rather than at its first forward."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
 
     if get_moe_a2a_backend().is_mori() and not aiter_runs_experts():
+        check_quantization(quant_config)
         return FusedMoE
     return original(quant_config)
+
+
+def check_quantization(quant_config: Any) -> None:
+    """Only the quant methods of ``TRITON_QUANTIZATIONS`` (and unquantized experts) run MoRI's outputs."""
+    if quant_config is None:
+        return
+    name = quant_config.get_name()
+    if name not in TRITON_QUANTIZATIONS:
+        raise ValueError(
+            f"--moe-a2a-backend mori cannot run the MoE layers of a {name} checkpoint on this platform: its "
+            f"quant method reads SGLang's standard dispatch output or runs kernels of its own; mori runs "
+            f"unquantized and {', '.join(TRITON_QUANTIZATIONS)} MoE layers (use another --moe-a2a-backend)"
+        )
 
 
 def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> None:
@@ -89,7 +110,9 @@ def check_runner_backend(runner_backend: str) -> None:
         accepted = " or ".join(TRITON_RUNNER_BACKENDS)
         raise ValueError(
             f"--moe-runner-backend {runner_backend} cannot run the experts of --moe-a2a-backend mori "
-            f"on this platform; use --moe-runner-backend {accepted}"
+            f"on this platform; use --moe-runner-backend {accepted} (SGLang picks {runner_backend} itself for "
+            "some checkpoints, e.g. triton_kernel or flashinfer_mxfp4 for gpt-oss MXFP4, whose MoE layers mori "
+            "cannot run here: serve those with another --moe-a2a-backend)"
         )
 
 

@@ -431,7 +431,7 @@ def test_launch_accepts_only_runners_that_consume_mori_outputs(
         resolve(tiny_moe_model, "mori", runner=runner)
         return
     with pytest.raises(
-        ValueError, match=rf"^--moe-runner-backend {runner} cannot .* use --moe-runner-backend auto or triton$"
+        ValueError, match=rf"^--moe-runner-backend {runner} cannot .* use --moe-runner-backend auto or triton \("
     ):
         resolve(tiny_moe_model, "mori", runner=runner)
 
@@ -472,6 +472,35 @@ def test_mori_layers_are_built_as_fused_moe_unless_aiter_runs_them(
     with get_flags().moe.override(a2a_backend=a2a):
         assert ep_moe_layer.get_moe_impl_class(None).__name__ == expected
         assert qwen2_moe.get_moe_impl_class(None).__name__ == expected
+
+
+def test_mori_layers_of_quantizations_the_triton_path_cannot_take_are_refused_at_build(
+    plugins_loaded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quant methods that read SGLang's standard dispatch output (``topk_output``, which MoRI's outputs
+    lack) or run kernels of their own would fail at the first forward: the layer's class lookup refuses
+    them by name while the model is built; the ones whose methods hand MoRI's outputs to the Triton
+    runner pass. Other a2a backends keep SGLang's choice."""
+    from sglang.srt.layers.quantization.blockwise_int8 import BlockInt8Config
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp8Config
+    from sglang.srt.layers.quantization.w8a8_fp8 import W8A8Fp8Config
+    from sglang.srt.layers.quantization.w8a8_int8 import W8A8Int8Config
+
+    monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
+    original = []
+    accepted = (None, Fp8Config(True, weight_block_size=[128, 128]), W8A8Fp8Config(), BlockInt8Config())
+    refused = {"w8a8_int8": W8A8Int8Config(), "modelopt_fp8": ModelOptFp8Config(), "mxfp8": Fp8Config(use_mxfp8=True)}
+    with get_flags().moe.override(a2a_backend=MoeA2ABackend.MORI):
+        for quant_config in accepted:
+            assert plugin.moe_impl_class(original.append, quant_config).__name__ == "FusedMoE"
+        for name, quant_config in refused.items():
+            with pytest.raises(ValueError, match=f"cannot run the MoE layers of a {name} checkpoint"):
+                plugin.moe_impl_class(original.append, quant_config)
+    assert original == []
+    with get_flags().moe.override(a2a_backend=MoeA2ABackend.NONE):
+        plugin.moe_impl_class(original.append, refused["w8a8_int8"])
+    assert original == [refused["w8a8_int8"]]
 
 
 def test_fused_function_is_registered_for_mori_and_triton(plugins_loaded: None) -> None:
