@@ -137,10 +137,16 @@ def check_tokens_the_op_quantizes(
         )
 
 
+def capturing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s GPU stream is being captured into a CUDA graph (no host read is allowed)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_expert_ids_on_host(config: EpConfig, ids: torch.Tensor) -> None:
     """No id past the last expert (negative ids are dropped slots). Reads the ids on the host: only for
-    providers that do not check them on the device."""
-    if ids.numel():
+    providers that do not check them on the device, and not while a CUDA graph is captured, which
+    forbids the read (the graph replays whatever ids its inputs then hold, unchecked)."""
+    if ids.numel() and not capturing(ids):
         top = int(ids.max())
         if top >= config.num_experts:
             raise expert_id_error(top, config.num_experts, dropped=False)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mori_sglang import formats
+from mori_sglang import checks, formats
 from mori_sglang.config import ConfigError, Mode
 from mori_sglang.exchange import DistExchange, Exchange, LoopbackExchange, Pending
 from mori_sglang.providers.base import (
@@ -128,6 +128,12 @@ class TorchProvider(EpProvider):
             counts = plan.send_counts.view(cfg.world_size, 1)
             self._dispatch = _PendingDispatch(plan, n, self.exchange.fixed(chunks), self.exchange.fixed(counts))
             return
+        if checks.capturing(ids):
+            raise RuntimeError(
+                "the torch.distributed provider's intranode mode exchanges row counts through the host, which "
+                "CUDA-graph capture forbids: use the Triton provider (SGLANG_MORI_BACKEND=auto or triton), the "
+                "low-latency mode, or run without CUDA graphs (SGLang --disable-cuda-graph, vLLM --enforce-eager)"
+            )
         send_counts = plan.send_counts.tolist()
         token = plan.token_of_copy[: sum(send_counts)]
         rows = layout.pack(payload[token], None if scales is None else scales[token], weights[token], ids[token])

@@ -389,3 +389,28 @@ def test_routing_generator_shapes() -> None:
     dropped = make_topk_ids("dropped", 6, 64, 9, 4, gen)
     assert (dropped[1] == -1).all() and (dropped[4] == -1).all()
     assert not (make_tokens("lognormal", 4, 256, gen) == 0).any()
+
+
+def test_the_torch_provider_under_cuda_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a CUDA graph is captured no host read is allowed: the torch.distributed provider skips its
+    host check of the expert ids there (low latency captures), and its intranode mode, which exchanges
+    row counts through the host, is refused by name instead of failing inside torch."""
+    from mori_sglang import checks
+
+    capturing = {"now": False}
+    monkeypatch.setattr(checks, "capturing", lambda tensor: capturing["now"])
+    cfg = EpConfig(2, 0, 64, 4, 2, max_tokens_per_rank=3, provider="torch")
+    past_last = torch.tensor([[0, 4]], dtype=torch.int32)
+    with pytest.raises(InputError, match="topk_ids holds expert 4"):
+        checks.check_expert_ids_on_host(cfg, past_last)
+    capturing["now"] = True
+    checks.check_expert_ids_on_host(cfg, past_last)
+    x, weights = torch.randn(2, 64).to(torch.bfloat16), torch.rand(2, 2)
+    ids = torch.tensor([[0, 3], [1, 2]], dtype=torch.int32)
+    low_latency = LoopbackWorld(replace(cfg, mode=Mode.LOW_LATENCY))
+    for op in low_latency.ops:
+        op.dispatch_send(x, weights, None, ids)
+    assert [int(op.dispatch_recv().num_recv) for op in low_latency.ops] == [4, 4]  # two tokens from each rank
+    op = LoopbackWorld(cfg).ops[0]
+    with pytest.raises(RuntimeError, match="intranode mode exchanges row counts through the host"):
+        op.dispatch_send(x, weights, None, ids)
