@@ -47,7 +47,7 @@ from sglang.srt.runtime_context import get_exec
 from mori_sglang import env
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig
 from mori_sglang.integrations import current_device
-from mori_sglang.integrations.sglang.expert_input import local_expert_counts, local_expert_ids
+from mori_sglang.integrations.sglang.expert_input import expert_rows, local_expert_counts, local_expert_ids
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import CombineHandle, DispatchOutput
 
@@ -299,9 +299,10 @@ class MoriSglangDispatcher(BaseDispatcher):
         out = flight.op.dispatch_recv()
         flight.handle = out.handle
         self._stage = _Stage.AFTER_DISPATCH_B
+        recv_cap = self._recv_cap(flight, out.tokens.shape[0])
         if _recording_expert_distribution():
-            self._record_expert_counts(out)
-        return _sglang_output(out, flight, self._recv_cap(flight, out.tokens.shape[0]))
+            self._record_expert_counts(out, expert_rows(out.tokens.shape[0], recv_cap))
+        return _sglang_output(out, flight, recv_cap)
 
     def _recv_cap(self, flight: _InFlight, capacity: int) -> int:
         """Upstream's logical receive cap: a bound on the received rows (0: offer the whole buffer).
@@ -317,10 +318,12 @@ class MoriSglangDispatcher(BaseDispatcher):
         cap = round_logical_recv_rows(bound, pow2_buckets=False)
         return cap if cap < capacity else 0
 
-    def _record_expert_counts(self, out: DispatchOutput) -> None:
-        """This rank's received (token, expert) pairs per local expert, to SGLang's recorder."""
+    def _record_expert_counts(self, out: DispatchOutput, rows: int) -> None:
+        """This rank's received (token, expert) pairs per local expert, to SGLang's recorder; ``rows``:
+        the rows the experts get, which hold every received one (a decode batch's bound, not the whole
+        buffer, so that counting costs what the experts' own sort does)."""
         first = self.rank * self.num_local_experts
-        ids = local_expert_ids(out.topk_ids, out.num_recv, first, self.num_local_experts)
+        ids = local_expert_ids(out.topk_ids[:rows], out.num_recv, first, self.num_local_experts)
         counts = local_expert_counts(ids, self.num_local_experts)
         # The recorder counts routed experts only: drop a fused shared expert's slot after them.
         routed = get_global_expert_location_metadata().num_local_physical_experts

@@ -64,6 +64,7 @@ from sglang.srt.runtime_context import get_context, get_flags, get_parallel  # n
 
 from mori_sglang import formats  # noqa: E402
 from mori_sglang.config import DispatchDtype  # noqa: E402
+from mori_sglang.integrations.sglang import dispatcher as dispatcher_module  # noqa: E402
 from mori_sglang.integrations.sglang import triton_experts  # noqa: E402
 from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher, release_shared_ops  # noqa: E402
 from mori_sglang.kernels.interpreter import install_exact_casts  # noqa: E402
@@ -405,18 +406,43 @@ def run_layer(
         dispatch = inner.dispatch_dtype
         block_fp8_weights = model.weights == "fp8"
         rows_seen: list[int] = []
+        rows_counted: list[int] = []
         pre_quantized: list[bool] = []
         for step in STEPS:
             where = f"{mode} weights={model.weights} dispatch={dispatch.value} {step} rank {rank}/{world_size}"
             x = batch(seed, world_size, rank, step, tokens)
             topk = model.route(x, step, world_size)
-            with override_config(TRITON_CONFIG), spy_rows(rows_seen, pre_quantized), recording(recorder):
+            with (
+                override_config(TRITON_CONFIG),
+                spy_rows(rows_seen, pre_quantized),
+                spy_counted_rows(rows_counted),
+                recording(recorder),
+            ):
                 got = layer(x, topk)
             full, partials = reference_partials(reference, x, topk, world_size, dispatch, block_fp8_weights)
             check_output(got, full, partials, topk, world_size, where)
     # No second quantization: block-fp8 experts take the fp8 payload as it arrived.
     assert pre_quantized == [block_fp8_weights and dispatch is DispatchDtype.FP8] * len(STEPS), pre_quantized
+    # The recorder counts the rows the experts get (a decode batch's bound), not the whole buffer; a
+    # recorder started by an earlier run may still be recording.
+    assert rows_counted == rows_seen or (recorder is None and rows_counted == []), (rows_counted, rows_seen)
     return rows_seen
+
+
+@contextlib.contextmanager
+def spy_counted_rows(rows_counted: list[int]) -> Iterator[None]:
+    """Records how many id rows each expert-distribution count reads."""
+    original = dispatcher_module.local_expert_ids
+
+    def counting(ids, *args):
+        rows_counted.append(ids.shape[0])
+        return original(ids, *args)
+
+    dispatcher_module.local_expert_ids = counting
+    try:
+        yield
+    finally:
+        dispatcher_module.local_expert_ids = original
 
 
 @contextlib.contextmanager
