@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class EnvVar:
     default: str
     help: str
     choices: tuple[str, ...] | None = None
-    kind: str = "choice"  # choice | bool | int | seconds
+    kind: str = "choice"  # choice | bool | int | seconds | size
     minimum: int = 1  # the smallest integer accepted (kind int)
     maximum: int | None = None  # the largest number accepted (kinds int and seconds), None: no bound
 
@@ -55,6 +56,8 @@ class EnvVar:
             return "integer > 0" if self.minimum == 1 else f"integer >= {self.minimum}"
         if self.kind == "seconds":
             return "number of seconds > 0" if self.maximum is None else f"number of seconds in (0, {self.maximum}]"
+        if self.kind == "size":
+            return "bytes, with an optional K/M/G/T suffix (e.g. 8G)"
         return " \\| ".join(self.choices or ())
 
 
@@ -179,6 +182,22 @@ ENV_VARS: tuple[EnvVar, ...] = (
         maximum=MAX_PEER_TIMEOUT_S,
     ),
     EnvVar(
+        "MORI_SHMEM_HEAP_SIZE",
+        "",
+        "MoRI's symmetric heap, read by MoRI. Under vLLM with --moe-backend aiter_mega_moe the manager sets "
+        "native MoRI's default where it is unset: 8G, 16G with a fused mxfp4 shared expert.",
+        kind="size",
+    ),
+    EnvVar(
+        "SGLANG_MORI_MOE_MAX_INPUT_TOKENS",
+        "0",
+        "SGLang only: upstream's manual cap on the rows handed to the experts, which drops the received rows "
+        "past it unseen. Checked, and not applied (a warning says so): the dispatcher hands the experts "
+        "SGLang's proven bound (SGLANG_MORI_RECV_BOUND) or the whole buffer, never fewer rows than it received.",
+        kind="int",
+        minimum=0,
+    ),
+    EnvVar(
         "MORI_FP8_COMBINE_SCALE_DIM",
         "",
         "Scales per token of the blockwise fp8 combine; the block is ceil(hidden / value), the last one short "
@@ -258,6 +277,19 @@ def get_seconds(name: str, environ: Mapping[str, str] | None = None) -> float:
     return seconds
 
 
+SIZE = re.compile(r"\d+(\.\d+)?\s*([kmgt]i?b?|b)?", re.IGNORECASE)
+
+
+def get_size(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """A byte size as MoRI reads it (``8G``), checked and returned as written; None where unset."""
+    value = _raw(name, environ)
+    if value is None or value == "":
+        return None
+    if not SIZE.fullmatch(value):
+        raise EnvError(f"{name}={value!r} is not a size; use {ENV_BY_NAME[name].accepted()}")
+    return value
+
+
 def markdown_table() -> str:
     """The README table of every variable."""
     lines = ["| variable | default | accepted | meaning |", "| --- | --- | --- | --- |"]
@@ -268,7 +300,7 @@ def markdown_table() -> str:
 
 
 # How each kind of variable is read (and checked); every EnvVar.kind has one.
-READERS = {"choice": get_choice, "bool": get_bool, "int": get_int, "seconds": get_seconds}
+READERS = {"choice": get_choice, "bool": get_bool, "int": get_int, "seconds": get_seconds, "size": get_size}
 
 
 def check(var: EnvVar, environ: Mapping[str, str] | None = None) -> None:

@@ -416,3 +416,17 @@ def test_readme_env_table_is_generated() -> None:
     assert text.count(start) == 1 and text.count(end) == 1, "README.md needs one pair of env-table markers"
     body = text.split(start, 1)[1].split(end, 1)[0]
     assert body.strip() == env.markdown_table(), "README env table is stale: python -m mori_sglang.env --markdown"
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [("8G", True), ("16g", True), ("2147483648", True), ("1.5GiB", True), ("lots", False), ("-8G", False)],
+)
+def test_sizes_read_as_moris_heap_size_is_written(value: str, ok: bool) -> None:
+    environ = {"MORI_SHMEM_HEAP_SIZE": value}
+    if ok:
+        assert env.get_size("MORI_SHMEM_HEAP_SIZE", environ) == value
+    else:
+        with pytest.raises(env.EnvError, match=f"MORI_SHMEM_HEAP_SIZE='{value}' is not a size"):
+            env.get_size("MORI_SHMEM_HEAP_SIZE", environ)
+    assert env.get_size("MORI_SHMEM_HEAP_SIZE", {}) is None

@@ -210,6 +210,8 @@ class MoriSglangDispatcher(BaseDispatcher):
         self._deepep_dispatch_hooks = MoriEPPDispatchHooks()
         # Never under two-batch overlap, as upstream: the bound comes from per-batch sizes that it splits.
         self._bound_recv = env.get_bool("SGLANG_MORI_RECV_BOUND") and not is_tbo_enabled()
+        if env.get_int("SGLANG_MORI_MOE_MAX_INPUT_TOKENS"):
+            _warn_manual_recv_cap()
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -357,6 +359,15 @@ class MoriSglangDispatcher(BaseDispatcher):
     def register_deepep_dispatch_hook(self, hook: Any) -> Any:
         """``hook(dispatcher)`` runs inside ``dispatch`` between ``dispatch_a`` and ``dispatch_b``."""
         return self._deepep_dispatch_hooks.register_hook(hook)
+
+
+@functools.cache
+def _warn_manual_recv_cap() -> None:
+    logger.warning(
+        "SGLANG_MORI_MOE_MAX_INPUT_TOKENS is not applied by mori-sglang: a manual cap below the received rows "
+        "would drop tokens unseen; the experts get SGLang's proven bound (SGLANG_MORI_RECV_BOUND) or the "
+        "whole receive buffer"
+    )
 
 
 def _recording_expert_distribution() -> bool:

@@ -36,13 +36,6 @@ TRITON_RUNNER_BACKENDS = ("auto", "triton")
 # compressed_tensors' MoE schemes, gguf, bitsandbytes, w4afp8, quark...).
 TRITON_QUANTIZATIONS = ("fp8", "w8a8_fp8", "blockwise_int8", "moe_wna16")
 
-_READERS: dict[str, Callable[[str, Mapping[str, str] | None], object]] = {
-    "bool": env.get_bool,
-    "int": env.get_int,
-    "choice": env.get_choice,
-    "seconds": env.get_seconds,
-}
-
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point."""
@@ -119,4 +112,4 @@ def check_runner_backend(runner_backend: str) -> None:
 def check_mori_env(environ: Mapping[str, str] | None = None) -> None:
     """Parse every variable mori-sglang reads; raises ``EnvError`` naming the first bad one."""
     for var in env.ENV_VARS:
-        _READERS[var.kind](var.name, environ)
+        env.check(var, environ)

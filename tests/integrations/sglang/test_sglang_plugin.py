@@ -882,3 +882,23 @@ def test_the_op_gets_the_coordinators_cpu_group(
         d._op(mode)
     assert len(handed) == len(d._configs) >= 1
     assert all(group is tp.device_group and cpu_group is tp.cpu_group for group, cpu_group in handed)
+
+
+def test_upstreams_manual_recv_cap_is_checked_and_said_not_to_apply(
+    tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLANG_MORI_MOE_MAX_INPUT_TOKENS drops received rows past it upstream: here a bad value stops the
+    launch by name, and a set one is said (once) not to apply; the experts keep the proven bound."""
+    from mori_sglang.integrations.sglang import dispatcher
+
+    clean_env.setenv("SGLANG_MORI_MOE_MAX_INPUT_TOKENS", "-1")
+    with pytest.raises(EnvError, match="SGLANG_MORI_MOE_MAX_INPUT_TOKENS=-1"):
+        plugin.check_mori_env()
+    clean_env.setenv("SGLANG_MORI_MOE_MAX_INPUT_TOKENS", "512")
+    plugin.check_mori_env()
+    dispatcher._warn_manual_recv_cap.cache_clear()
+    with caplog.at_level("WARNING", logger=dispatcher.__name__):
+        make_dispatcher(tp)
+        make_dispatcher(tp, instance_id=1)
+    warnings = [r for r in caplog.records if "SGLANG_MORI_MOE_MAX_INPUT_TOKENS is not applied" in r.getMessage()]
+    assert len(warnings) == 1
