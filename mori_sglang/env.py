@@ -114,7 +114,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "auto",
         "Provider: mori (the native MoRI library's HIP kernels), triton (our kernels over symmetric memory), "
         "torch (torch.distributed all_to_all). auto: mori on a GPU where `import mori` works, else triton on "
-        "a GPU, else torch.",
+        "a GPU when the ranks run on one host, else torch; triton across hosts is refused.",
         ("auto", "mori", "triton", "torch"),
     ),
     EnvVar(

@@ -28,7 +28,7 @@ from mori_sglang.config import ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.device_wait import wait_for_device
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels.geometry import KernelTuning
-from mori_sglang.providers import resolve_provider
+from mori_sglang.providers import group_hosts, resolve_provider
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.registry import build_provider
 from mori_sglang.types import CombineHandle, DispatchOutput, InputError
@@ -59,7 +59,9 @@ class EpDispatchCombineOp:
         self._dispatches = 0
         self.device = _normalize_device(device)
         self.fp8_dtype = config.fp8_dtype or formats.fp8_dtype_for_device(self.device)
-        self.provider_kind = resolve_provider(config.provider, self.device, real_ranks=loopback is None)
+        self.provider_kind = resolve_provider(
+            config.provider, self.device, real_ranks=loopback is None, hosts=lambda: group_hosts(cpu_group or group)
+        )
         if loopback is not None and loopback.world_size != config.world_size:
             raise ConfigError(f"loopback world of {loopback.world_size} ranks, config says {config.world_size}")
         self.token_bytes = formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from mori_sglang.config import ConfigError, Provider
 
@@ -17,15 +20,38 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_provider(requested: Provider, device: torch.device, *, real_ranks: bool = True) -> Provider:
+def group_hosts(group: dist.ProcessGroup | None) -> int:
+    """How many hosts the ranks of ``group`` (None: the world) run on; a collective over the group."""
+    if dist.get_world_size(group) == 1:
+        return 1
+    names: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return len(set(names))
+
+
+def resolve_provider(
+    requested: Provider,
+    device: torch.device,
+    *,
+    real_ranks: bool = True,
+    hosts: Callable[[], int] = lambda: 1,
+) -> Provider:
     """auto: native MoRI on a GPU where it imports (AMD) and the ranks are real processes, else our
-    Triton kernels on a GPU, else torch.distributed. ROCm builds of torch name their GPUs "cuda" too."""
+    Triton kernels on a GPU within one host, else torch.distributed. ROCm builds of torch name their
+    GPUs "cuda" too. ``hosts``: how many hosts the real ranks span, asked only where the Triton kernels
+    would run across them (their arenas are one host's symmetric memory)."""
+    triton_on_gpu = device.type == "cuda" and triton_available()
     if requested is Provider.AUTO:
         if device.type == "cuda" and real_ranks and mori_available():
             return Provider.MORI
-        if triton_available() and device.type == "cuda":
+        if triton_on_gpu and (not real_ranks or hosts() == 1):
             return Provider.TRITON
         return Provider.TORCH
+    if requested is Provider.TRITON and device.type == "cuda" and real_ranks and (count := hosts()) > 1:
+        raise ConfigError(
+            f"SGLANG_MORI_BACKEND=triton runs within one host (the arenas are one host's symmetric memory), "
+            f"and these ranks span {count} hosts; use auto or torch (torch.distributed) across hosts"
+        )
     if requested is Provider.MORI and not mori_available():
         raise ConfigError(
             "SGLANG_MORI_BACKEND=mori but the native MoRI package does not import; use auto, triton or torch"

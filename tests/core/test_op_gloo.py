@@ -99,3 +99,42 @@ def test_gloo_matches_loopback(world: int, seed: int, tmp_path: Path) -> None:
             check_step(scn, world_inputs(scn, step), loop)
             gloo = [RankResult(**saved[r]["results"][i][step]) for r in range(world)]
             assert_results_identical(loop, gloo, f"scenario {i} ({scn.mode.value}) step {step}")
+
+
+def _count_hosts(rank: int, world: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from mori_sglang.providers import group_hosts
+
+    Path(out_dir, f"hosts{rank}").write_text(f"{group_hosts(None)} {group_hosts(dist.new_group([0, 1]))}")
+
+
+def test_group_hosts_counts_the_hosts_of_a_group(tmp_path: Path) -> None:
+    run_gloo(2, _count_hosts, (str(tmp_path),), tmp_path)
+    assert [Path(tmp_path, f"hosts{rank}").read_text() for rank in range(2)] == ["1 1"] * 2
+
+
+def test_the_triton_kernels_run_within_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their arenas are one host's symmetric memory: across hosts auto takes torch.distributed and an
+    explicit triton is refused by name; the hosts are asked only where it decides."""
+    from mori_sglang import providers
+    from mori_sglang.config import Provider
+
+    monkeypatch.setattr(providers, "mori_available", lambda: False)
+    monkeypatch.setattr(providers, "triton_available", lambda: True)
+    gpu, asked = torch.device("cuda", 0), []
+
+    def hosts(count: int):
+        return lambda: asked.append(count) or count
+
+    assert providers.resolve_provider(Provider.AUTO, gpu, hosts=hosts(1)) is Provider.TRITON
+    assert providers.resolve_provider(Provider.AUTO, gpu, hosts=hosts(2)) is Provider.TORCH
+    assert providers.resolve_provider(Provider.TRITON, gpu, hosts=hosts(1)) is Provider.TRITON
+    with pytest.raises(ConfigError, match=r"SGLANG_MORI_BACKEND=triton runs within one host .* span 2 hosts"):
+        providers.resolve_provider(Provider.TRITON, gpu, hosts=hosts(2))
+    assert asked == [1, 2, 1, 2]
+    for requested in (Provider.AUTO, Provider.TRITON, Provider.TORCH):  # loopback, CPU, torch: not asked
+        providers.resolve_provider(requested, gpu, real_ranks=False, hosts=hosts(3))
+        providers.resolve_provider(requested, torch.device("cpu"), hosts=hosts(3))
+    providers.resolve_provider(Provider.TORCH, gpu, hosts=hosts(3))
+    assert asked == [1, 2, 1, 2]
