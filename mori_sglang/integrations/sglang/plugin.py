@@ -19,6 +19,7 @@ registered with its ``HookRegistry``. ``register`` adds:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -86,24 +87,53 @@ def check_quantization(quant_config: Any) -> None:
 
 
 def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> None:
-    """Resolution step wrapper: SGLang's own a2a checks, then ours when the backend is mori."""
+    """Resolution step wrapper: SGLang's own a2a checks, then ours where mori runs the target's MoE
+    layers or a speculative draft's (``--speculative-moe-*`` default to the target's)."""
     from sglang.srt.arg_groups.overrides import resolved_view
 
     previous(server_args)
     view = resolved_view(server_args)
+    runners = {}
     if view.moe_a2a_backend == "mori":
-        check_mori_env()
-        if not aiter_runs_experts():
-            check_runner_backend(view.moe_runner_backend)
+        runners["--moe-runner-backend"] = view.moe_runner_backend
+    if getattr(view, "speculative_algorithm", None):
+        draft_a2a = getattr(view, "speculative_moe_a2a_backend", None) or view.moe_a2a_backend
+        if draft_a2a == "mori":
+            draft_runner = getattr(view, "speculative_moe_runner_backend", None) or view.moe_runner_backend
+            runners["--speculative-moe-runner-backend"] = draft_runner
+    if not runners:
+        return
+    check_mori_env()
+    if aiter_runs_experts():
+        return
+    for flag, runner_backend in runners.items():
+        check_runner_backend(runner_backend, flag)
+    check_fused_function_runs(view)
 
 
-def check_runner_backend(runner_backend: str) -> None:
+def check_fused_function_runs(view: Any, environ: Mapping[str, str] | None = None) -> None:
+    """SGLang's MoE runner skips the fused function that runs mori's experts under LoRA and with
+    ``SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1``, and has no other path for MoRI's outputs."""
+    environ = os.environ if environ is None else environ
+    if getattr(view, "enable_lora", None) or getattr(view, "lora_paths", None):
+        raise ValueError(
+            "--moe-a2a-backend mori runs its experts through SGLang's fused MoE function, which LoRA turns off "
+            "(--enable-lora / --lora-paths): serve LoRA adapters with another --moe-a2a-backend"
+        )
+    if environ.get("SGLANG_CI_DISABLE_MOE_FUSED_FUNC", "0") == "1":
+        raise ValueError(
+            "SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1 turns off the fused MoE function that runs the experts of "
+            "--moe-a2a-backend mori; unset it"
+        )
+
+
+def check_runner_backend(runner_backend: str, flag: str = "--moe-runner-backend") -> None:
     """Only the Triton runner consumes our dispatch outputs where AITER does not run the experts."""
     if runner_backend not in TRITON_RUNNER_BACKENDS:
         accepted = " or ".join(TRITON_RUNNER_BACKENDS)
         raise ValueError(
-            f"--moe-runner-backend {runner_backend} cannot run the experts of --moe-a2a-backend mori "
-            f"on this platform; use --moe-runner-backend {accepted} (SGLang picks {runner_backend} itself for "
+            f"{flag} {runner_backend} cannot run the experts of --moe-a2a-backend mori "
+            f"on this platform; use {flag} {accepted} (SGLang picks {runner_backend} itself for "
             "some checkpoints, e.g. triton_kernel or flashinfer_mxfp4 for gpt-oss MXFP4, whose MoE layers mori "
             "cannot run here: serve those with another --moe-a2a-backend)"
         )

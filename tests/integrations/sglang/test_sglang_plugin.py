@@ -301,7 +301,7 @@ def test_bad_env_value_fails_at_construction_naming_the_variable(
         plugin.check_mori_env()
 
 
-BAD_VALUE_OF_KIND = {"bool": "maybe", "int": "4k", "choice": "nonsense", "seconds": "soon"}
+BAD_VALUE_OF_KIND = {"bool": "maybe", "int": "4k", "choice": "nonsense", "seconds": "soon", "size": "lots"}
 
 
 @pytest.mark.parametrize("var", env.ENV_VARS, ids=lambda v: v.name)
@@ -902,3 +902,43 @@ def test_upstreams_manual_recv_cap_is_checked_and_said_not_to_apply(
         make_dispatcher(tp, instance_id=1)
     warnings = [r for r in caplog.records if "SGLANG_MORI_MOE_MAX_INPUT_TOKENS is not applied" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_launch_checks_cover_drafts_lora_and_the_fused_function_switch(
+    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch
+) -> None:
+    """A speculative draft's MoE layers run on mori where its a2a flag (or the target's, its default)
+    says so, so its runner is checked under its own flag; LoRA and SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1
+    turn off the fused function mori's experts run through, so they stop the launch by name."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups import overrides
+
+    monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
+
+    def launch(**fields: object) -> None:
+        view = SimpleNamespace(moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None)
+        view.__dict__.update(fields)
+        monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
+        plugin.check_env_at_launch(object(), lambda server_args: None)
+
+    launch()
+    launch(moe_a2a_backend="none", moe_runner_backend="deep_gemm", enable_lora=True)  # mori runs nothing
+    launch(speculative_algorithm="EAGLE", speculative_moe_runner_backend="triton")
+    with pytest.raises(ValueError, match=r"^--speculative-moe-runner-backend deep_gemm cannot run the experts"):
+        launch(speculative_algorithm="EAGLE", speculative_moe_runner_backend="deep_gemm")
+    with pytest.raises(ValueError, match=r"^--speculative-moe-runner-backend deep_gemm cannot run the experts"):
+        launch(
+            moe_a2a_backend="none",
+            moe_runner_backend="deep_gemm",
+            speculative_algorithm="EAGLE",
+            speculative_moe_a2a_backend="mori",
+        )
+    launch(moe_runner_backend="triton", speculative_algorithm="EAGLE", speculative_moe_a2a_backend="none",
+           speculative_moe_runner_backend="deep_gemm")  # fmt: skip
+    for lora in ({"enable_lora": True}, {"lora_paths": ["adapter"]}):
+        with pytest.raises(ValueError, match="which LoRA turns off"):
+            launch(**lora)
+    clean_env.setenv("SGLANG_CI_DISABLE_MOE_FUSED_FUNC", "1")
+    with pytest.raises(ValueError, match=r"^SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1 turns off the fused MoE function"):
+        launch()
