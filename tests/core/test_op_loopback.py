@@ -414,3 +414,42 @@ def test_the_torch_provider_under_cuda_graph_capture(monkeypatch: pytest.MonkeyP
     op = LoopbackWorld(cfg).ops[0]
     with pytest.raises(RuntimeError, match="intranode mode exchanges row counts through the host"):
         op.dispatch_send(x, weights, None, ids)
+
+
+@needs_cuda
+def test_the_torch_provider_captures_a_low_latency_dispatch_and_refuses_a_captured_intranode_one(
+    seed: int,
+) -> None:
+    """On a GPU: the low-latency dispatch (fixed slots, no host read once the ids' host check steps
+    aside) is captured and replays what it did eagerly; the intranode one is refused by name inside
+    the capture instead of failing in torch."""
+    cfg = EpConfig(2, 0, 256, 4, 2, max_tokens_per_rank=4, mode=Mode.LOW_LATENCY, provider="torch")
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [
+        (torch.randn(3, 256, generator=gen).to(torch.bfloat16).cuda(), torch.rand(3, 2, generator=gen).cuda(),
+         torch.rand(3, 4, generator=gen).topk(2, dim=1).indices.int().cuda())
+        for _ in range(2)
+    ]  # fmt: skip
+    world = LoopbackWorld(cfg, "cuda")
+
+    def dispatch() -> list[DispatchOutput]:
+        for op, (x, w, i) in zip(world.ops, inputs, strict=True):
+            op.dispatch_send(x, w, None, i)
+        return [op.dispatch_recv() for op in world.ops]
+
+    eager = [out.tokens.clone() for out in dispatch()]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dispatch()
+    for out in captured:
+        out.tokens.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, want in zip(captured, eager, strict=True):
+        n = int(out.num_recv)
+        assert n > 0 and torch.equal(out.tokens[:n].view(torch.int16), want[:n].view(torch.int16))
+    op = LoopbackWorld(replace(cfg, mode=Mode.INTRANODE), "cuda").ops[0]
+    x, w, i = inputs[0]
+    refused = pytest.raises(RuntimeError, match="intranode mode exchanges row counts through the host")
+    with torch.cuda.graph(torch.cuda.CUDAGraph()), refused:
+        op.dispatch_send(x, w, None, i)
