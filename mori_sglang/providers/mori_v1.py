@@ -28,7 +28,13 @@ from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
-from mori_sglang.providers.mori_provider import GPUS_PER_NODE, MoriProvider, init_shmem, receive_cap
+from mori_sglang.providers.mori_provider import (
+    GPUS_PER_NODE,
+    MoriProvider,
+    capped_recv_tokens,
+    init_shmem,
+    receive_cap,
+)
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 QUANT_TYPE = {dtype: wire_formats.COMBINE_BY_NAME[dtype.value].mori_quant_type for dtype in CombineDtype}
@@ -120,10 +126,9 @@ def check_receive_cap(config: EpConfig, kernel: str) -> None:
     """IntraNode lays received rows down without checking them against MoRI's receive cap (the other v1
     kernels assert on it): there a cap below what every rank may send is refused, as a batch past it
     would write past MoRI's buffer."""
-    cap = receive_cap()
-    if kernel == "IntraNode" and cap and -(-cap // config.world_size) < config.max_tokens_per_rank:
+    if kernel == "IntraNode" and capped_recv_tokens(config) < config.max_recv_tokens:
         raise ConfigError(
-            f"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS={cap} caps MoRI's IntraNode receive buffer below the "
+            f"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS={receive_cap()} caps MoRI's IntraNode receive buffer below the "
             f"{config.max_recv_tokens} rows {config.world_size} ranks of {config.max_tokens_per_rank} tokens may "
             "send, and that kernel does not check the cap: unset it (0) or raise it to that"
         )

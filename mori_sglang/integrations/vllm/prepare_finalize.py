@@ -26,6 +26,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceDelegate,
 )
 
+from mori_sglang.checks import capturing
 from mori_sglang.config import Mode
 from mori_sglang.integrations.vllm.activations import ActivationPlan, expert_format
 from mori_sglang.op import EpDispatchCombineOp
@@ -82,11 +83,10 @@ class MoriSglangPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         """One op carries one micro-batch at a time (vLLM's config refuses --enable-dbo for these names)."""
         return False
 
-    def _whole_capacity(self, device: torch.device) -> bool:
+    def _whole_capacity(self, ids: torch.Tensor) -> bool:
         """Whether the experts get every receive row, which needs no host sync: always for a
         low-latency dispatch, and for a high-throughput one while a CUDA graph is being captured."""
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        return capturing or self.op.config.dispatch_mode is Mode.LOW_LATENCY
+        return capturing(ids) or self.op.config.dispatch_mode is Mode.LOW_LATENCY
 
     # -- prepare ----------------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ class MoriSglangPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         assert out is not None and plan is not None
         ids = out.topk_ids
         received = None
-        if self._whole_capacity(ids.device):
+        if self._whole_capacity(ids):
             rows = ids.shape[0]
             received = torch.arange(rows, device=ids.device) < out.num_recv
             live = (ids >= 0) & received[:, None]
