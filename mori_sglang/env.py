@@ -46,6 +46,9 @@ class EnvVar:
     kind: str = "choice"  # choice | bool | int | seconds | size
     minimum: int = 1  # the smallest integer accepted (kind int)
     maximum: int | None = None  # the largest number accepted (kinds int and seconds), None: no bound
+    # The providers (config.Provider values) that read it; empty: every provider. Set for another
+    # provider, the op warns that it does nothing (upstream reads these only on its MoRI path).
+    providers: tuple[str, ...] = ()
 
     def accepted(self) -> str:
         if self.kind == "bool":
@@ -125,6 +128,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "quantized combines and groups across hosts stay on v1. 0: v1 everywhere. SGLang sets it to 0 "
         "where its own EP v2 checks fail.",
         kind="bool",
+        providers=("mori",),
     ),
     EnvVar(
         "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD",
@@ -133,6 +137,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "is at most this; here InterNodeV1 runs at every size (InterNodeV1LL's receiver sends a dropped id, "
         "-1, to rank 0), so the value is checked and chooses nothing.",
         kind="int",
+        providers=("mori",),
     ),
     EnvVar(
         "SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS",
@@ -142,6 +147,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "does v1's IntraNode kernel here (it does not check the cap).",
         kind="int",
         minimum=0,
+        providers=("mori",),
     ),
     EnvVar(
         "SGLANG_MORI_RECV_BOUND",
@@ -162,6 +168,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "0",
         "Native MoRI only: copy intranode payloads with the SDMA engines.",
         kind="bool",
+        providers=("mori",),
     ),
     EnvVar(
         "TRTLLM_ENABLE_PDL",
@@ -169,6 +176,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Triton provider on NVIDIA sm_90+: 0 launches our kernels without programmatic dependent launch "
         "(the variable with which SGLang turns it off for FlashInfer's kernels).",
         kind="bool",
+        providers=("triton",),
     ),
     EnvVar(
         "SGLANG_MORI_PEER_TIMEOUT_S",
@@ -288,6 +296,29 @@ def get_size(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     if not SIZE.fullmatch(value):
         raise EnvError(f"{name}={value!r} is not a size; use {ENV_BY_NAME[name].accepted()}")
     return value
+
+
+def ignored_by_provider(provider: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The variables set to something other than their default that only other providers read."""
+    return [
+        var.name
+        for var in ENV_VARS
+        if var.providers and provider not in var.providers and _differs_from_default(var, _raw(var.name, environ))
+    ]
+
+
+def _differs_from_default(var: EnvVar, raw: str | None) -> bool:
+    """Whether a raw value asks for something the default does not (``true`` is the default ``1``)."""
+    if not raw:
+        return False
+    if var.kind == "bool":
+        return (raw.lower() in BOOL_TRUE) != (var.default in BOOL_TRUE)
+    if var.kind == "int":
+        try:
+            return int(raw) != int(var.default)
+        except ValueError:
+            return True
+    return raw != var.default
 
 
 def markdown_table() -> str:

@@ -7,12 +7,14 @@ to a provider.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 
 import torch
 import torch.distributed as dist
 
-from mori_sglang import formats
+from mori_sglang import env, formats
 from mori_sglang.checks import (
     check_capacity,
     check_devices,
@@ -34,6 +36,7 @@ from mori_sglang.providers.registry import build_provider
 from mori_sglang.types import CombineHandle, DispatchOutput, InputError
 
 _OP_IDENTS = itertools.count(1)
+logger = logging.getLogger(__name__)
 
 
 class EpDispatchCombineOp:
@@ -62,6 +65,7 @@ class EpDispatchCombineOp:
         self.provider_kind = resolve_provider(
             config.provider, self.device, real_ranks=loopback is None, hosts=lambda: group_hosts(cpu_group or group)
         )
+        _warn_ignored_env(self.provider_kind.value, tuple(env.ignored_by_provider(self.provider_kind.value)))
         if loopback is not None and loopback.world_size != config.world_size:
             raise ConfigError(f"loopback world of {loopback.world_size} ranks, config says {config.world_size}")
         self.token_bytes = formats.dispatch_token_bytes(config.dispatch_dtype, config.hidden)
@@ -274,3 +278,16 @@ def _normalize_device(device: torch.device | str | None) -> torch.device:
         if device.index >= torch.cuda.device_count():
             raise ConfigError(f"device={str(device)!r}: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+@functools.cache
+def _warn_ignored_env(provider: str, names: tuple[str, ...]) -> None:
+    """Once per process and set: a variable of another provider is set, and this one does not read it
+    (SGLang's MoRI knobs would otherwise look as if they applied)."""
+    if names:
+        logger.warning(
+            "%s set, but the %s provider does not read %s (see `python -m mori_sglang.env`)",
+            ", ".join(names),
+            provider,
+            "it" if len(names) == 1 else "them",
+        )

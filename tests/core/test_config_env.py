@@ -430,3 +430,52 @@ def test_sizes_read_as_moris_heap_size_is_written(value: str, ok: bool) -> None:
         with pytest.raises(env.EnvError, match=f"MORI_SHMEM_HEAP_SIZE='{value}' is not a size"):
             env.get_size("MORI_SHMEM_HEAP_SIZE", environ)
     assert env.get_size("MORI_SHMEM_HEAP_SIZE", {}) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# variables of one provider
+# ---------------------------------------------------------------------------------------------
+
+
+def test_only_native_moris_variables_say_so() -> None:
+    """The table's help and its providers field agree: a variable documented as native MoRI's is read
+    by no other provider, and every provider a variable names exists."""
+    for var in env.ENV_VARS:
+        assert var.help.startswith("Native MoRI") == (var.providers == ("mori",)), var.name
+        assert set(var.providers) <= {p.value for p in Provider}, var.name
+
+
+@pytest.mark.parametrize(
+    ("environ", "provider", "ignored"),
+    [
+        ({"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "4096"}, "triton", ["SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS"]),
+        ({"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "4096"}, "mori", []),
+        ({"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "0"}, "torch", []),  # the default asks for nothing
+        ({"SGLANG_MORI_EP_V2": "true", "MORI_ENABLE_SDMA": "off"}, "torch", []),
+        ({"SGLANG_MORI_EP_V2": "0", "MORI_ENABLE_SDMA": "1"}, "torch", ["SGLANG_MORI_EP_V2", "MORI_ENABLE_SDMA"]),
+        ({"TRTLLM_ENABLE_PDL": "0"}, "mori", ["TRTLLM_ENABLE_PDL"]),
+        ({"TRTLLM_ENABLE_PDL": "0"}, "triton", []),
+        ({"SGLANG_MORI_PEER_TIMEOUT_S": "5", "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": ""}, "torch", []),
+    ],
+)
+def test_variables_another_provider_reads(environ: dict[str, str], provider: str, ignored: list[str]) -> None:
+    assert env.ignored_by_provider(provider, environ) == ignored
+
+
+def test_op_warns_of_a_variable_its_provider_does_not_read(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mori_sglang import op as op_module
+    from mori_sglang.loopback import LoopbackWorld
+
+    op_module._warn_ignored_env.cache_clear()
+    monkeypatch.setenv("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS", "256")
+    cfg = EpConfig(2, 0, 256, 8, 2, max_tokens_per_rank=4, provider=Provider.TORCH)
+    with caplog.at_level("WARNING", logger="mori_sglang.op"):
+        LoopbackWorld(cfg, "cpu")
+        LoopbackWorld(cfg, "cpu")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mori_sglang.op"]
+    assert warnings == [
+        "SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS set, but the torch provider does not read it "
+        "(see `python -m mori_sglang.env`)"
+    ]
