@@ -134,6 +134,23 @@ def check_receive_cap(config: EpConfig, kernel: str) -> None:
         )
 
 
+# MoRI v1 numbers every token of every source in int32: ``pe * world * M + token``, with ``world * world *
+# M`` the "no token" index (``FlatTokenIndex`` / ``NullFlatTokenIndex`` in its dispatch_combine/common.hpp).
+INT32_MAX = 2**31 - 1
+
+
+def check_token_index_range(config: EpConfig) -> None:
+    """A buffer whose flat token indices pass int32 would wrap them inside MoRI's kernels (tokens sent
+    to the wrong rows): refused when the op is built, naming the knob and the largest value that fits."""
+    world = config.world_size
+    if world * world * config.max_tokens_per_rank > INT32_MAX:
+        raise ConfigError(
+            f"SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK={config.max_tokens_per_rank} is too large for native "
+            f"MoRI v1 on {world} ranks: it indexes tokens in int32 ({world} x {world} x tokens per rank must stay "
+            f"below 2^31); at most {INT32_MAX // (world * world)} here"
+        )
+
+
 def _compute_units(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -158,6 +175,7 @@ class MoriV1Provider(MoriProvider):
         self.kernel = kernel_type_name(config)
         check_combine_quantization(config, self.kernel)
         check_receive_cap(config, self.kernel)
+        check_token_index_range(config)
         init_shmem(setup.cpu_group or group or dist.group.WORLD)
         kwargs = mori_config_kwargs(config, layout, self.token_dtype, setup.payload_dtype, _compute_units(device))
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)

@@ -26,6 +26,7 @@ from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, us
 from mori_sglang.providers.mori_v1 import (
     check_combine_quantization,
     check_receive_cap,
+    check_token_index_range,
     kernel_type_name,
     mori_config_kwargs,
 )
@@ -219,6 +220,28 @@ def test_a_receive_cap_intranode_does_not_check_is_refused(
             check_receive_cap(cfg, kernel_type_name(cfg))
     else:
         check_receive_cap(cfg, kernel_type_name(cfg))
+
+
+@pytest.mark.parametrize(
+    ("world", "tokens", "refused"),
+    [
+        (8, 1 << 20, False),  # the largest buffer EpConfig takes, on one host
+        (64, 524_287, False),
+        (64, 524_288, True),  # 64 x 64 x 2^19 = 2^31: MoRI's "no token" index wraps
+        (128, 131_071, False),
+        (128, 131_072, True),
+    ],
+)
+def test_a_buffer_past_moris_int32_token_index_is_refused(world: int, tokens: int, refused: bool) -> None:
+    cfg = EpConfig(world, 0, 7168, 256, 8, max_tokens_per_rank=tokens)
+    if refused:
+        largest = (2**31 - 1) // (world * world)
+        with pytest.raises(
+            ConfigError, match=rf"SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK={tokens} .* at most {largest} here"
+        ):
+            check_token_index_range(cfg)
+    else:
+        check_token_index_range(cfg)
 
 
 class _Bootstrapped(Exception):
