@@ -10,35 +10,44 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode, Provider
-    from mori_sglang.formats import scale_stride_bytes
+    from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
+    from mori_sglang.env import EnvError
+    from mori_sglang.formats import FormatError, scale_stride_bytes
     from mori_sglang.loopback import LoopbackWorld
     from mori_sglang.op import EpDispatchCombineOp, InputError
-    from mori_sglang.types import CombineHandle, DispatchOutput
+    from mori_sglang.types import CombineHandle, DispatchOutput, PeerTimeoutError
 
 _MODULE_OF = {
     "CombineDtype": "mori_sglang.config",
     "CombineHandle": "mori_sglang.types",
+    "ConfigError": "mori_sglang.config",
     "DispatchDtype": "mori_sglang.config",
     "DispatchOutput": "mori_sglang.types",
     "EpConfig": "mori_sglang.config",
+    "EnvError": "mori_sglang.env",
     "EpDispatchCombineOp": "mori_sglang.op",
+    "FormatError": "mori_sglang.formats",
     "InputError": "mori_sglang.op",
     "LoopbackWorld": "mori_sglang.loopback",
     "Mode": "mori_sglang.config",
+    "PeerTimeoutError": "mori_sglang.types",
     "Provider": "mori_sglang.config",
     "scale_stride_bytes": "mori_sglang.formats",
 }
 __all__ = [
     "CombineDtype",
     "CombineHandle",
+    "ConfigError",
     "DispatchDtype",
     "DispatchOutput",
+    "EnvError",
     "EpConfig",
     "EpDispatchCombineOp",
+    "FormatError",
     "InputError",
     "LoopbackWorld",
     "Mode",
+    "PeerTimeoutError",
     "Provider",
     "scale_stride_bytes",
 ]

@@ -339,6 +339,13 @@ def check(var: EnvVar, environ: Mapping[str, str] | None = None) -> None:
     READERS[var.kind](var.name, environ)
 
 
+def check_all(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every variable of the table, read on this path or not; raises ``EnvError`` naming the
+    first bad one (a typo in a variable another path reads must not wait for that path)."""
+    for var in ENV_VARS:
+        check(var, environ)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print every variable as the project reads it (its value, or the default), after checking it."""
     parser = argparse.ArgumentParser(prog="python -m mori_sglang.env", description=__doc__.splitlines()[0])

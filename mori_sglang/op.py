@@ -62,6 +62,7 @@ class EpDispatchCombineOp:
         self._dispatches = 0
         self.device = _normalize_device(device)
         self.fp8_dtype = config.fp8_dtype or formats.fp8_dtype_for_device(self.device)
+        env.check_all()
         self.provider_kind = resolve_provider(
             config.provider, self.device, real_ranks=loopback is None, hosts=lambda: group_hosts(cpu_group or group)
         )

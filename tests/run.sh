@@ -2,11 +2,11 @@
 # Sets up everything on a fresh machine (CPU torch, Triton's interpreter, stock SGLang and vLLM) and
 # runs the whole test suite. Suites are folders of tests/: each framework's integration tests run in a
 # venv of their own, next to the real package, layered on .venv for torch and triton; everything else runs
-# in .venv. All three take about 4 GB of disk; pip keeps no cache of what it downloads.
+# in .venv. All three take about 3.4 GB of disk; pip keeps no cache of what it downloads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-echo "tests/run.sh: $(df -h --output=avail . | tail -1 | tr -d ' ') of disk free here; a fresh run needs about 4 GB"
+echo "tests/run.sh: $(df -h --output=avail . | tail -1 | tr -d ' ') of disk free here; a fresh run needs about 3.4 GB"
 export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$(mktemp -d)}"
 
 python3 -m venv .venv

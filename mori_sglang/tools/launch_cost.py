@@ -179,7 +179,9 @@ def markdown(rows: list[LaunchCost]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[LaunchCost]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mori_sglang.tools.launch_cost", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--iters", type=cli.positive_int, default=200, help="launches per timed repeat")
     parser.add_argument("--device", type=cli.device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", type=cli.output_file, help="write the rows here")

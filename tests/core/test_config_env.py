@@ -479,3 +479,24 @@ def test_op_warns_of_a_variable_its_provider_does_not_read(
         "SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS set, but the torch provider does not read it "
         "(see `python -m mori_sglang.env`)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SGLANG_MORI_EP_V2", "maybe"),
+        ("MORI_ENABLE_SDMA", "x"),
+        ("SGLANG_MORI_RECV_BOUND", "maybe"),
+        ("SGLANG_MORI_MOE_MAX_INPUT_TOKENS", "-5"),
+        ("MORI_SHMEM_HEAP_SIZE", "lots"),
+        ("SGLANG_MORI_FP8_COMB", "2"),
+    ],
+)
+def test_op_refuses_a_bad_value_of_any_variable(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    """Also variables this provider or path never reads: a typo must not wait for the path that reads it."""
+    from mori_sglang.loopback import LoopbackWorld
+
+    monkeypatch.setenv(name, value)
+    cfg = EpConfig(2, 0, 256, 8, 2, max_tokens_per_rank=4, provider=Provider.TORCH)
+    with pytest.raises(EnvError, match=name):
+        LoopbackWorld(cfg, "cpu")

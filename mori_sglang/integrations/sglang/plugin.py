@@ -140,6 +140,6 @@ def check_runner_backend(runner_backend: str, flag: str = "--moe-runner-backend"
 
 
 def check_mori_env(environ: Mapping[str, str] | None = None) -> None:
-    """Parse every variable mori-sglang reads; raises ``EnvError`` naming the first bad one."""
-    for var in env.ENV_VARS:
-        env.check(var, environ)
+    """Parse every variable mori-sglang reads at launch, before any model loads; raises ``EnvError``
+    naming the first bad one."""
+    env.check_all(environ)
