@@ -150,6 +150,12 @@ class EpDispatchCombineOp:
     ) -> None:
         """Start sending each token to the distinct ranks among its top-k experts."""
         self._start_send("dispatch")
+        if self._in_flight["combine"] and not self.provider.capabilities.keeps_old_handles:
+            raise RuntimeError(
+                "dispatch_send called while a combine_send is not yet received: call combine_recv first (the "
+                f"{self.provider_kind.value} provider's dispatch reuses the routing that combine reads), or give "
+                "overlapping batches an op each"
+            )
         self._check_dispatch(x, topk_weights, scales, topk_ids)
         self._send_dispatch(x, topk_weights, scales, topk_ids)
         self._dispatches += 1  # after the send: a dispatch the provider refused leaves the last handle valid

@@ -47,6 +47,12 @@ def resolve_provider(
         if triton_on_gpu and (not real_ranks or hosts() == 1):
             return Provider.TRITON
         return Provider.TORCH
+    if requested is Provider.TRITON and device.type != "cuda" and real_ranks:
+        raise ConfigError(
+            f"SGLANG_MORI_BACKEND=triton on ranks of a process group needs GPUs: its buffers are torch symmetric "
+            f"memory, which has no {device.type} backend (on a CPU the kernels run only in a one-process "
+            "LoopbackWorld under TRITON_INTERPRET=1); use auto or torch"
+        )
     if requested is Provider.TRITON and device.type == "cuda" and real_ranks and (count := hosts()) > 1:
         raise ConfigError(
             f"SGLANG_MORI_BACKEND=triton runs within one host (the arenas are one host's symmetric memory), "

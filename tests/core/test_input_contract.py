@@ -433,6 +433,56 @@ def test_a_second_send_before_its_receive_is_refused(provider: str, mode: Mode) 
     check_step(scn, inputs, run_step(scn, [_ResendingOp(world.ops[0], other), world.ops[1]], inputs))
 
 
+class _DispatchingDuringCombineOp:
+    """Rank 0's op, which tries the next batch's dispatch_send between its combine_send and combine_recv."""
+
+    def __init__(self, op: EpDispatchCombineOp, other: RankInputs) -> None:
+        self.op, self.other = op, other
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.op, name)
+
+    def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
+        self.op.combine_send(y, handle)
+        other = self.other.to(self.op.device)
+        with pytest.raises(RuntimeError, match="dispatch_send called while a combine_send is not yet received"):
+            self.op.dispatch_send(other.payload, other.weights, other.scales, other.ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dispatch_while_a_combine_is_in_flight_is_refused(mode: Mode) -> None:
+    """The Triton provider's combine receive reads the routing of the latest dispatch: a dispatch_send
+    between combine_send and combine_recv once overwrote it, and the combine summed the wrong rows
+    unseen. It is refused, and the combine in flight returns its own batch intact."""
+    scn = Scenario(world=2, tokens=(3, 2), hidden=64, topk=4, mode=mode, expert="rank_scaled", seed=14)
+    world = _world(scn, "triton")
+    other = world_inputs(replace(scn, seed=15))[0]
+    inputs = world_inputs(scn)
+    check_step(scn, inputs, run_step(scn, [_DispatchingDuringCombineOp(world.ops[0], other), world.ops[1]], inputs))
+
+
+def test_the_torch_provider_dispatches_while_a_combine_is_in_flight() -> None:
+    """Its handles keep their own routing: the next batch's dispatch_send may go out before the last
+    combine is received, and both batches come back right."""
+    cfg = EpConfig(2, 0, 128, 4, 2, max_tokens_per_rank=5, mode=Mode.LOW_LATENCY, provider="torch")
+    batch_a, batch_b = _batch(cfg, 5, 16), _batch(cfg, 3, 17)
+    world, reference = LoopbackWorld(cfg, DEVICE), LoopbackWorld(cfg, DEVICE)
+    expected = [
+        reference.combine(_identity(outs), [o.handle for o in outs])
+        for outs in (_dispatch(reference, *batch_a), _dispatch(reference, *batch_b))
+    ]
+    outs_a = _dispatch(world, *batch_a)
+    for op, y, out in zip(world.ops, _identity(outs_a), outs_a, strict=True):
+        op.combine_send(y, out.handle)
+    for op, x, w, i in zip(world.ops, *batch_b, strict=True):
+        op.dispatch_send(x, w, None, i)
+    combined_a = [op.combine_recv() for op in world.ops]
+    outs_b = [op.dispatch_recv() for op in world.ops]
+    combined_b = world.combine(_identity(outs_b), [o.handle for o in outs_b])
+    for got, want in zip((combined_a, combined_b), expected, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 class _RefusedBetweenOp:
     """Rank 0's op, which tries a dispatch without its scale rows between its receive and its combine."""
 

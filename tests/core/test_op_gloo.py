@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, Mode
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.op import EpDispatchCombineOp, InputError
 from tests.helpers import (
     RankResult,
@@ -135,6 +135,15 @@ def test_the_triton_kernels_run_within_one_host(monkeypatch: pytest.MonkeyPatch)
     assert asked == [1, 2, 1, 2]
     for requested in (Provider.AUTO, Provider.TRITON, Provider.TORCH):  # loopback, CPU, torch: not asked
         providers.resolve_provider(requested, gpu, real_ranks=False, hosts=hosts(3))
-        providers.resolve_provider(requested, torch.device("cpu"), hosts=hosts(3))
+        providers.resolve_provider(requested, torch.device("cpu"), real_ranks=False, hosts=hosts(3))
+    providers.resolve_provider(Provider.AUTO, torch.device("cpu"), hosts=hosts(3))
     providers.resolve_provider(Provider.TORCH, gpu, hosts=hosts(3))
     assert asked == [1, 2, 1, 2]
+
+
+def test_the_triton_kernels_on_cpu_ranks_of_a_group_are_refused_by_name() -> None:
+    """Torch symmetric memory has no CPU backend: on a CPU the kernels run only in a loopback world
+    (the interpreter), and a process group's ranks are refused before the group or a buffer is touched."""
+    cfg = EpConfig(2, 1, 64, 4, 2, max_tokens_per_rank=4, provider="triton")
+    with pytest.raises(ConfigError, match="SGLANG_MORI_BACKEND=triton on ranks of a process group needs GPUs"):
+        EpDispatchCombineOp(cfg, device="cpu")
