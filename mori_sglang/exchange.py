@@ -187,6 +187,10 @@ class _Post:
     rows: torch.Tensor
     counts: list[int] | None
 
+    def signature(self) -> tuple:
+        """What every rank's k-th exchange must agree on: its kind, row shape and dtype."""
+        return ("variable" if self.counts is not None else "fixed", tuple(self.rows.shape[1:]), self.rows.dtype)
+
 
 @dataclass
 class LoopbackHub:
@@ -219,6 +223,14 @@ class LoopbackHub:
                 "SGLANG_MORI_PEER_TIMEOUT_S)"
             )
         items = [posted[r] for r in range(self.world_size)]
+        mine = posted[rank].signature()
+        other = next((r for r, item in enumerate(items) if item.signature() != mine), None)
+        if other is not None:
+            raise ExchangeError(
+                f"rank {rank}'s exchange #{seq} ({mine}) does not match rank {other}'s ({items[other].signature()}): "
+                "the ranks' calls went out of step (a call refused on one rank was made on the others); a loopback "
+                "world cannot recover from that, build a new one"
+            )
         self.taken[seq] = self.taken.get(seq, 0) + 1
         if self.taken[seq] == self.world_size:
             del self.posts[seq], self.taken[seq]

@@ -108,6 +108,10 @@ class DispatchOutput:
             return None
         size = torch.empty((), dtype=dtype).element_size()
         rows, width = self.scales.shape
+        if width % size:
+            raise InputError(
+                f"recv_scales({dtype}): the scale row holds {width} B, not a whole number of {size}-byte elements"
+            )
         base = self.scales.as_strided((rows, self.scale_stride), (self.scale_stride, 1))
         return base.view(dtype)[:, : width // size]
 

@@ -339,6 +339,40 @@ def test_receive_before_every_rank_sent() -> None:
         world.ops[0].dispatch(inp.payload, inp.weights, inp.scales, inp.ids)
 
 
+@pytest.mark.parametrize("mode", [Mode.INTRANODE, Mode.SPLIT])
+def test_ranks_out_of_step_are_named(mode: Mode) -> None:
+    """Rank 0's combine_send is refused (short outputs, known on the host) while rank 1's goes out: the
+    ranks' exchanges no longer pair up, and the next dispatch says so instead of failing inside the
+    mailbox (an AssertionError) or in torch (a size mismatch)."""
+    cfg = EpConfig(2, 0, 64, 4, 2, max_tokens_per_rank=4, mode=mode, provider="torch")
+    world = LoopbackWorld(cfg)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 64, generator=gen).bfloat16() for _ in range(2)]
+    ids = [torch.tensor([[0, 2], [1, 3], [2, 0]], dtype=torch.int32)] * 2
+    weights = [torch.rand(3, 2, generator=gen)] * 2
+    outs = world.dispatch(xs, weights, None, ids)
+    with pytest.raises(InputError, match="expert outputs"):
+        world.ops[0].combine_send(outs[0].tokens[:1].float(), outs[0].handle)
+    world.ops[1].combine_send(outs[1].tokens.float(), outs[1].handle)
+    with pytest.raises(ExchangeError, match="have not posted"):
+        world.ops[1].combine_recv()
+    for op, x, w, i in zip(world.ops, xs, weights, ids, strict=True):
+        op.dispatch_send(x, w, None, i)
+    with pytest.raises(ExchangeError, match=r"rank 0's exchange #1 .* does not match rank 1's .* out of step"):
+        world.ops[0].dispatch_recv()
+
+
+def test_scales_viewed_as_a_wider_type_than_the_row_holds_are_refused() -> None:
+    cfg = EpConfig(2, 0, 384, 4, 2, max_tokens_per_rank=4, dispatch_dtype=DispatchDtype.FP8, provider="torch")
+    world = LoopbackWorld(cfg)
+    xs = [torch.randn(2, 384).bfloat16() for _ in range(2)]
+    ids = [torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)] * 2
+    out = world.dispatch(xs, [torch.rand(2, 2)] * 2, None, ids)[0]
+    assert out.recv_scales(torch.float32).shape[1] == 3  # three blocks of 128, one f32 each
+    with pytest.raises(InputError, match=r"recv_scales\(torch.float64\): the scale row holds 12 B"):
+        out.recv_scales(torch.float64)
+
+
 def test_receive_without_send() -> None:
     world = LoopbackWorld(small().config())
     with pytest.raises(RuntimeError, match="without a dispatch_send"):
