@@ -78,7 +78,10 @@ class EpDispatchCombineOp:
         setup = ProviderSetup(
             config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback, cpu_group
         )
-        self.provider = build_provider(self.provider_kind, setup)
+        # The op's buffers are normal tensors even when it is built under torch.inference_mode() (a server
+        # may build it inside its first forward): tensors made there could not be updated outside it.
+        with torch.inference_mode(False):
+            self.provider = build_provider(self.provider_kind, setup)
         # A send not yet received, per kind ("dispatch", "combine"): a second send would overwrite it.
         self._in_flight = {"dispatch": False, "combine": False}
         self._closed = False

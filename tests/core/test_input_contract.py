@@ -483,6 +483,22 @@ def test_the_torch_provider_dispatches_while_a_combine_is_in_flight() -> None:
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_an_op_built_under_inference_mode_runs_outside_it(provider: str, mode: Mode) -> None:
+    """A server may build the op inside its first forward, under torch.inference_mode(): buffers made
+    there were inference tensors, and the first step outside it failed in torch ("Inplace update to
+    inference tensor outside InferenceMode")."""
+    scn = Scenario(world=2, tokens=(3, 2), hidden=64, topk=4, mode=mode, expert="rank_scaled", seed=18)
+    inputs = world_inputs(scn)
+    with torch.inference_mode():
+        world = _world(scn, provider)
+    check_step(scn, inputs, run_step(scn, world.ops, inputs))
+    with torch.inference_mode():
+        check_step(scn, inputs, run_step(scn, world.ops, inputs))
+    check_step(scn, inputs, run_step(scn, world.ops, inputs))
+
+
 class _RefusedBetweenOp:
     """Rank 0's op, which tries a dispatch without its scale rows between its receive and its combine."""
 
