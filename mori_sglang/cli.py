@@ -78,6 +78,20 @@ def output_file(text: str) -> str:
     return text
 
 
+def output_folder(text: str) -> str:
+    """An argparse type for a folder a command creates and writes into (``--output-dir``): refused at
+    once where the path is a file, or where the nearest folder that exists is not writable."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; name a folder")
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is not writable")
+    return text
+
+
 def port(text: str) -> int:
     """An argparse type for a TCP port: 1 to 65535."""
     number = at_least(1)(text)

@@ -18,8 +18,8 @@ from pathlib import Path
 from eval.ab.server import HEALTH_PATHS, ManagedServer, ServerError, port_in_use, render_command
 from eval.ab.table import AB_DTYPES, Row, markdown_table
 from eval.gsm8k.client import RequestFailed
-from eval.gsm8k.data import DataError, load_questions
-from eval.gsm8k.driver import base_url, run_eval, warn_failures
+from eval.gsm8k.data import DataError
+from eval.gsm8k.driver import base_url, labelled_questions, run_eval, warn_failures
 from eval.gsm8k.options import add_driver_args, config_from_args
 from mori_sglang import cli
 
@@ -36,6 +36,8 @@ def parse_dtypes(text: str) -> list[str]:
             dtype = None
         if dtype not in AB_DTYPES:
             raise argparse.ArgumentTypeError(f"{name!r}: use a comma list of {', '.join(AB_DTYPES)}")
+        if dtype in dtypes:  # e.g. fp8 and its long name fp8_blockwise: one server run, one row each
+            raise argparse.ArgumentTypeError(f"{name!r} names {dtype} a second time")
         dtypes.append(dtype)
     if not dtypes:
         raise argparse.ArgumentTypeError(f"use a comma list of {', '.join(AB_DTYPES)}")
@@ -54,7 +56,7 @@ def run_one(args: argparse.Namespace, dtype: str, url: str, output_dir: Path) ->
             waited = server.wait_healthy(url + HEALTH_PATHS[args.backend], args.health_timeout)
             print(f"[{COMBINE_ENV}={dtype}] healthy after {waited:.0f} s", file=sys.stderr, flush=True)
             summary, _ = run_eval(config_from_args(args, url, str(run_dir)))
-    except (OSError, ServerError, RequestFailed) as e:  # OSError: the command could not be started
+    except (OSError, ServerError, RequestFailed, DataError) as e:  # OSError: the command could not be started
         print(f"[{COMBINE_ENV}={dtype}] failed: {e}", file=sys.stderr)
         return Row(dtype, None, str(e))
     print(f"combine dtype {dtype}:\n{summary.report()}", flush=True)
@@ -79,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--health-timeout", type=cli.at_least(1e-3, float), default=1800.0, help="seconds to wait for a server"
     )
-    parser.add_argument("--output-dir", default="ab_out", help="per-dtype results, server logs, the table")
+    parser.add_argument(
+        "--output-dir", type=cli.output_folder, default="ab_out", help="per-dtype results, server logs, the table"
+    )
     add_driver_args(parser)
     args = parser.parse_args(argv)
     try:  # a bad placeholder is the command line's error, not the first run's
@@ -90,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--launch: {e}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    try:  # the data set is resolved (and downloaded) once, before any server is started
-        _, data_path = load_questions(args.data_path)
+    try:  # the data set is resolved (downloaded) and checked once, before any server is started
+        _, data_path, _ = labelled_questions(args.data_path, args.num_questions)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

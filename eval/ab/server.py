@@ -31,9 +31,12 @@ class ServerError(RuntimeError):
 def render_command(template: str, **values: object) -> list[str]:
     """Fill ``{combine_dtype}``, ``{host}``, ``{port}``, ``{seed}`` and split the command like a shell."""
     try:
-        return shlex.split(template.format_map({name: values[name] for name in PLACEHOLDERS}))
+        command = shlex.split(template.format_map({name: values[name] for name in PLACEHOLDERS}))
     except KeyError as e:
         raise ValueError(f"unknown placeholder {e} in the launch command; use {', '.join(PLACEHOLDERS)}") from None
+    if not command:
+        raise ValueError("the launch command is empty; give the server's command line")
+    return command
 
 
 def port_in_use(host: str, port: int) -> bool:

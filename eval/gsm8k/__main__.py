@@ -9,7 +9,7 @@ from eval.gsm8k.client import RequestFailed
 from eval.gsm8k.data import DataError
 from eval.gsm8k.driver import base_url, run_eval, warn_failures
 from eval.gsm8k.options import add_driver_args, config_from_args
-from mori_sglang.cli import port
+from mori_sglang.cli import output_folder, port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     add_driver_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port, default=30000)
-    parser.add_argument("--output-dir", default="gsm8k_out", help="results.jsonl and summary.json go here")
+    parser.add_argument(
+        "--output-dir", type=output_folder, default="gsm8k_out", help="results.jsonl and summary.json go here"
+    )
     args = parser.parse_args(argv)
     config = config_from_args(args, base_url(args.host, args.port), args.output_dir)
     try:

@@ -48,6 +48,14 @@ class Completion:
     completion_tokens: int
     attempts: int
 
+    def __post_init__(self) -> None:
+        """A reply whose text is not a string (null, a list) or whose token count is negative is
+        malformed: the backends turn these errors into a failed question."""
+        if not isinstance(self.text, str):
+            raise TypeError(f"completion text is {type(self.text).__name__}, not a string")
+        if self.completion_tokens < 0:
+            raise ValueError(f"completion_tokens {self.completion_tokens} < 0")
+
 
 def _is_retryable_status(status: int) -> bool:
     return status >= 500 or status == 429
@@ -127,7 +135,7 @@ class SGLangBackend:
         try:
             return Completion(body["text"], int(body["meta_info"]["completion_tokens"]), attempts)
         except (KeyError, TypeError, ValueError):
-            detail = f"/generate reply lacks text or meta_info.completion_tokens: {body!r:.200}"
+            detail = f"/generate reply lacks a string text or a count meta_info.completion_tokens: {body!r:.200}"
             raise RequestFailed(detail, attempts) from None
 
 
@@ -161,7 +169,7 @@ class OpenAIBackend:
         try:
             return Completion(body["choices"][0]["text"], int(body["usage"]["completion_tokens"]), attempts)
         except (KeyError, IndexError, TypeError, ValueError):
-            detail = f"/v1/completions reply lacks choices[0].text or usage: {body!r:.200}"
+            detail = f"/v1/completions reply lacks a string choices[0].text or a count usage: {body!r:.200}"
             raise RequestFailed(detail, attempts) from None
 
 

@@ -27,17 +27,22 @@ def default_cache_path() -> Path:
 def read_jsonl(path: Path) -> list[dict[str, str]]:
     """Every record of a jsonl file; lines starting with '#' are comments (as upstream's reader)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.startswith("#") or not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}: not JSON ({e.msg})") from None
-            if not isinstance(record, dict) or "question" not in record or "answer" not in record:
-                raise DataError(f"{path}:{number}: a GSM8K record needs 'question' and 'answer'")
-            records.append(record)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}); a GSM8K file is jsonl") from None
+    for number, line in enumerate(lines, 1):
+        if line.startswith("#") or not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or "question" not in record or "answer" not in record:
+            raise DataError(f"{path}:{number}: a GSM8K record needs 'question' and 'answer'")
+        if not isinstance(record["question"], str) or not isinstance(record["answer"], str):
+            raise DataError(f"{path}:{number}: a GSM8K record's 'question' and 'answer' are strings")
+        records.append(record)
     if not records:
         raise DataError(f"{path}: no records")
     return records

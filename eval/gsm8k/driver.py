@@ -92,15 +92,22 @@ def _ask(backend: Backend, index: int, question: str, prompt: str, label: int) -
     return QuestionResult(index, question, label, pred, pred == label, c.text, c.completion_tokens, c.attempts, None)
 
 
-def run_eval(config: EvalConfig) -> tuple[Summary, list[QuestionResult]]:
-    """Ask every question once (greedy), score against the reference answers, write both output files."""
-    lines, data_path = load_questions(config.data_path)
-    prefix = few_shot_prefix(lines, config.num_shots)
-    selected = lines[: config.num_questions]
-    labels = [extract(line["answer"]) for line in selected]
+def labelled_questions(data_path: str | None, num_questions: int) -> tuple[list[dict[str, str]], Path, list[int]]:
+    """Every record, the file they came from, and the integer answers of the first ``num_questions``;
+    raises DataError before anything is asked where one of those has none."""
+    lines, path = load_questions(data_path)
+    labels = [extract(line["answer"]) for line in lines[:num_questions]]
     unlabelled = [i for i, label in enumerate(labels) if label == INVALID]
     if unlabelled:
-        raise DataError(f"{data_path}: records {unlabelled[:5]} have no integer answer")
+        raise DataError(f"{path}: records {unlabelled[:5]} have no integer answer")
+    return lines, path, labels
+
+
+def run_eval(config: EvalConfig) -> tuple[Summary, list[QuestionResult]]:
+    """Ask every question once (greedy), score against the reference answers, write both output files."""
+    lines, data_path, labels = labelled_questions(config.data_path, config.num_questions)
+    prefix = few_shot_prefix(lines, config.num_shots)
+    selected = lines[: config.num_questions]
     backend = make_backend(config.backend, config.base_url, config.retry, config.model)
 
     tic = time.perf_counter()  # bench_sglang.py's latency includes the frontend's prefix warm-up

@@ -66,6 +66,9 @@ def test_render_command() -> None:
     ]
     with pytest.raises(ValueError, match=r"unknown placeholder 'gpus' .*use combine_dtype, host, port, seed"):
         render_command("x --gpus {gpus}", combine_dtype="fp8", host="h", port=1, seed=1)
+    for empty in ("", "   "):
+        with pytest.raises(ValueError, match="the launch command is empty"):
+            render_command(empty, combine_dtype="fp8", host="h", port=1, seed=1)
 
 
 def free_port() -> int:
@@ -214,6 +217,36 @@ def test_unknown_combine_dtype_is_rejected(capsys: pytest.CaptureFixture[str]) -
         main(["--launch", "true", "--combine-dtypes", "bf16,fp4"])
     assert exit_info.value.code == 2
     assert "argument --combine-dtypes: 'fp4': use a comma list of bf16, fp8, fp8_direct_cast" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--launch", ""], "error: --launch: the launch command is empty"),
+        (["--launch", "true", "--combine-dtypes", "fp8,fp8_blockwise"], "'fp8_blockwise' names fp8 a second time"),
+    ],
+)
+def test_bad_command_lines_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_data_and_output_problems_stop_ab_before_any_server(tmp_path: Path) -> None:
+    """A record without an integer answer, or an output folder that is a file: refused before the
+    first server starts (the launch command would leave a marker file)."""
+    marker = tmp_path / "started"
+    nonum = tmp_path / "nonum.jsonl"
+    nonum.write_text(json.dumps({"question": "q?", "answer": "no number"}) + "\n")
+    result = run_ab("--launch", f"touch {marker}", "--data-path", str(nonum), "--num-questions", "1",
+                    "--combine-dtypes", "bf16", "--output-dir", str(tmp_path / "out"))  # fmt: skip
+    assert result.returncode == 2 and "records [0] have no integer answer" in result.stderr
+    taken = tmp_path / "afile"
+    taken.write_text("")
+    result = run_ab("--launch", f"touch {marker}", "--combine-dtypes", "bf16", "--output-dir", str(taken))
+    assert result.returncode == 2 and f"argument --output-dir: {taken} is a file" in result.stderr
+    assert not marker.exists()
 
 
 def test_combine_dtypes_take_the_env_names_and_long_aliases() -> None:

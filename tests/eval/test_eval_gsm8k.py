@@ -217,6 +217,43 @@ def test_exhausted_retries_count_as_invalid_and_fail_the_run(
     assert server.attempts[LINES[doomed]["question"]] == 3
 
 
+@pytest.mark.parametrize("backend", ["sglang", "openai"])
+@pytest.mark.parametrize(("text", "tokens"), [(None, 3), (["a list"], 3), (" 18", -2)])
+def test_a_malformed_reply_fails_its_question_only(
+    server: ScriptedServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: str, text: object, tokens: int
+) -> None:
+    """A reply whose text is not a string, or with a negative token count, is that question's failure
+    (counted as invalid), not a crash of the run that loses every result."""
+    n = 3
+    answers = {
+        line["question"]: {"text": f" {get_answer_value(line['answer'])}", "completion_tokens": 3} for line in LINES[:n]
+    }
+    answers[LINES[1]["question"]] = {"text": text, "completion_tokens": tokens}
+    server.script = {"answers": answers, "model": "scripted-moe"}
+    out = tmp_path / "out"
+    code = main([
+        "--port", str(server.port), "--backend", backend, "--data-path", str(TEST_JSONL), "--num-questions", str(n),
+        "--retries", "1", "--retry-wait", "0.01", "--output-dir", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert code == 1
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["pred"] == INVALID for r in results] == [False, True, False]
+    assert "reply lacks a string" in results[1]["error"]
+    assert json.loads((out / "summary.json").read_text())["num_output_tokens"] == 6
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_any_question(
+    server: ScriptedServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "afile"
+    taken.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--port", str(server.port), "--data-path", str(TEST_JSONL), "--output-dir", str(taken)])
+    assert exit_info.value.code == 2
+    assert f"argument --output-dir: {taken} is a file; name a folder" in capsys.readouterr().err
+    assert not server.requests
+
+
 def test_client_does_not_retry_a_bad_request(server: ScriptedServer) -> None:
     client = Client(f"http://127.0.0.1:{server.port}", RetryPolicy(retries=3, timeout_s=5, backoff_s=0))
     with pytest.raises(RequestFailed, match="HTTP 400"):
@@ -324,6 +361,13 @@ def test_data_errors_name_the_problem(tmp_path: Path) -> None:
         data.read_jsonl(bad)
     bad.write_text(json.dumps({"question": "q"}) + "\n")
     with pytest.raises(data.DataError, match="needs 'question' and 'answer'"):
+        data.read_jsonl(bad)
+    for record in ({"question": 123, "answer": "#### 5"}, {"question": "q?", "answer": 5}):
+        bad.write_text(json.dumps(record) + "\n")
+        with pytest.raises(data.DataError, match="'question' and 'answer' are strings"):
+            data.read_jsonl(bad)
+    bad.write_bytes(b"\xff\xfe" + json.dumps(LINES[0]).encode())
+    with pytest.raises(data.DataError, match=r"bad\.jsonl: not UTF-8 text"):
         data.read_jsonl(bad)
 
 

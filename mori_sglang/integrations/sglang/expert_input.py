@@ -94,23 +94,36 @@ class ExpertInput:
 
 
 def expert_input(
-    payload: torch.Tensor, scales: torch.Tensor | None, rows: int, hidden: int, block_fp8_weights: bool
+    payload: torch.Tensor,
+    scales: torch.Tensor | None,
+    rows: int,
+    hidden: int,
+    block_fp8_weights: bool,
+    zero_past: torch.Tensor | None = None,
 ) -> ExpertInput:
     """The first ``rows`` received rows as SGLang's Triton path takes them.
 
     ``block_fp8_weights``: the experts are fp8 with 128-wide blocks along the hidden dimension, so the
     up GEMM reads e4m3fn activations with one f32 scale per 128 elements, exactly the fp8 format.
+    ``zero_past``: the received count, for experts that quantize their activations per tensor: their
+    scale is the amax of every row handed on, which a row past the count (an earlier batch's, or never
+    written: NaN) would set, so those rows reach them as zeros (a new tensor, on the device).
     """
     dtype = dispatch_dtype_of(payload, scales)
     tokens = payload[:rows]
     if dtype is DispatchDtype.BF16:
-        return ExpertInput(tokens)
-    assert scales is not None
-    row_scales = scales[:rows]
-    if dtype is DispatchDtype.FP8 and block_fp8_weights and tokens.dtype == torch.float8_e4m3fn:
-        output_like = torch.empty(rows, hidden, dtype=torch.bfloat16, device=tokens.device)
-        return ExpertInput(output_like, a1_q=tokens, a1_scale=row_scales)
-    if dtype is DispatchDtype.MXFP4:
-        tokens = tokens.view(torch.uint8)
-    values = formats.dequantize_dispatch(tokens, row_scales, dtype, hidden)
-    return ExpertInput(values.to(torch.bfloat16))
+        values = tokens
+    else:
+        assert scales is not None
+        row_scales = scales[:rows]
+        if dtype is DispatchDtype.FP8 and block_fp8_weights and tokens.dtype == torch.float8_e4m3fn:
+            output_like = torch.empty(rows, hidden, dtype=torch.bfloat16, device=tokens.device)
+            return ExpertInput(output_like, a1_q=tokens, a1_scale=row_scales)
+        if dtype is DispatchDtype.MXFP4:
+            tokens = tokens.view(torch.uint8)
+        values = formats.dequantize_dispatch(tokens, row_scales, dtype, hidden).to(torch.bfloat16)
+    if zero_past is not None:
+        values = torch.where(
+            _row_mask(rows, zero_past), values, torch.zeros((), dtype=values.dtype, device=values.device)
+        )
+    return ExpertInput(values)

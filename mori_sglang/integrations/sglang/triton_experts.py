@@ -49,6 +49,18 @@ def _takes_pre_quantized_fp8(quant_info: TritonMoeQuantInfo) -> bool:
     return quant_info.use_fp8_w8a8 and block is not None and block[1] == PRE_QUANTIZED_GROUP
 
 
+def _quantizes_per_tensor(quant_info: TritonMoeQuantInfo) -> bool:
+    """Experts that scale their activations by one amax over every row handed to them (dynamic
+    per-tensor fp8 or int8: no block, no per-token scale, no static scale)."""
+    quantized = quant_info.use_fp8_w8a8 or quant_info.use_int8_w8a8
+    return (
+        quantized
+        and quant_info.block_shape is None
+        and not quant_info.per_channel_quant
+        and quant_info.a13_scale is None
+    )
+
+
 def _check_supported(quant_info: TritonMoeQuantInfo, runner_config: MoeRunnerConfig) -> None:
     if quant_info.use_mxfp8:
         raise NotImplementedError(
@@ -76,7 +88,8 @@ def mori_to_triton(
     first_expert = runner_config.moe_ep_rank * num_local
     ids = local_expert_ids(out.topk_ids[:rows], out.num_recv_tokens_per_expert, first_expert, num_local)
     pre_quantized = _takes_pre_quantized_fp8(quant_info)
-    activations = expert_input(out.hidden_states, out.hidden_states_scale, rows, hidden, pre_quantized)
+    zero_past = out.num_recv_tokens_per_expert if _quantizes_per_tensor(quant_info) else None
+    activations = expert_input(out.hidden_states, out.hidden_states_scale, rows, hidden, pre_quantized, zero_past)
     a1_scale = quant_info.a13_scale if activations.a1_q is None else activations.a1_scale
     output = fused_experts(
         hidden_states=activations.hidden_states,

@@ -157,6 +157,18 @@ def test_other_payloads_are_dequantized_to_bf16(seed: int, dtype: DispatchDtype,
     assert torch.equal(got.hidden_states, want)
 
 
+@pytest.mark.parametrize("dtype", [DispatchDtype.BF16, DispatchDtype.FP8, DispatchDtype.MXFP4], ids=lambda d: d.value)
+def test_rows_past_the_count_are_zeroed_for_per_tensor_experts(seed: int, dtype: DispatchDtype) -> None:
+    payload, scales = received_payload(seed, dtype, ROWS_HANDED + 3)
+    received = ROWS_HANDED // 2
+    plain = expert_input(payload, scales, ROWS_HANDED, HIDDEN, block_fp8_weights=False)
+    got = expert_input(
+        payload, scales, ROWS_HANDED, HIDDEN, block_fp8_weights=False, zero_past=torch.tensor([received]).to(DEVICE)
+    )
+    assert torch.equal(got.hidden_states[:received], plain.hidden_states[:received])
+    assert not got.hidden_states[received:].any() and plain.hidden_states[received:].any()
+
+
 # ---------------------------------------------------------------------------------------------
 # the expert path it feeds: a grouped torch MoE on the handed-on rows, summed over ranks
 # ---------------------------------------------------------------------------------------------

@@ -607,3 +607,55 @@ def test_experts_the_triton_path_cannot_run_are_refused_by_name(quant: dict, con
     runner_config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=2, hidden_size=HIDDEN, **config)
     with pytest.raises(NotImplementedError, match=message):
         triton_experts.mori_to_triton(output, weights, runner_config)
+
+
+@pytest.mark.parametrize(
+    ("quant", "zeroed"),
+    [
+        ({"use_fp8_w8a8": True}, True),  # dynamic per-tensor fp8 (--quantization fp8 online)
+        ({"use_fp8_w8a8": True, "a13_scale": torch.ones(1)}, False),  # a static scale: no amax
+        ({"use_fp8_w8a8": True, "per_channel_quant": True}, False),  # per token: one scale per row
+        ({}, False),  # bf16 experts quantize nothing
+    ],
+    ids=["per-tensor", "static", "per-token", "bf16"],
+)
+def test_rows_past_the_received_reach_per_tensor_experts_as_zeros(
+    monkeypatch: pytest.MonkeyPatch, quant: dict, zeroed: bool
+) -> None:
+    """Per-tensor experts take one amax over every row handed on: a row past the received count (an
+    earlier batch's, or never written) set it, or made it NaN. Those rows reach them as zeros; other
+    experts get the receive buffer's rows as they are (their ids are -1 there)."""
+    rows, received = 6, 2
+    hidden_states = torch.randn(rows, HIDDEN).to(torch.bfloat16)
+    hidden_states[received:] = torch.tensor([float("nan"), 3e38]).repeat(HIDDEN // 2).to(torch.bfloat16)
+    output = MoriEPNormalDispatchOutput(
+        hidden_states=hidden_states,
+        hidden_states_scale=None,
+        topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
+        topk_weights=torch.ones(rows, TOPK),
+        num_recv_tokens_per_expert=torch.tensor([received], dtype=torch.int32),
+        origin_topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
+        origin_topk_weights=torch.ones(rows, TOPK),
+        out_dtype=torch.bfloat16,
+    )
+    weights = TritonMoeQuantInfo(
+        w13_weight=torch.zeros(2, 2 * INTERMEDIATE, HIDDEN), w2_weight=torch.zeros(2, HIDDEN, INTERMEDIATE), **quant
+    )
+    seen = {}
+
+    def fused_experts(hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen["x"] = hidden_states
+        return torch.zeros_like(hidden_states)
+
+    monkeypatch.setattr(triton_experts, "fused_experts", fused_experts)
+    layer = torch.nn.Module()
+    layer.moe_ep_rank = 0
+    runner_config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=2, hidden_size=HIDDEN, layer=layer)
+    triton_experts.mori_to_triton(output, weights, runner_config)
+    x = seen["x"]
+    assert torch.equal(x[:received], hidden_states[:received])
+    if zeroed:
+        assert not x[received:].any()
+        assert hidden_states[received:].isnan().any()  # the receive buffer itself is left alone
+    else:
+        assert x.data_ptr() == hidden_states.data_ptr()
