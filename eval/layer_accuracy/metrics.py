@@ -41,6 +41,7 @@ def saturated_fraction(y: torch.Tensor, dtype: CombineDtype, fp8_dtype: torch.dt
     if dtype is not CombineDtype.FP8_DIRECT_CAST:
         hidden = y.shape[1]
         wire = formats.quantize_combine(y, dtype, fp8_dtype, block)
-        scales = wire[:, hidden:].contiguous().view(torch.float32).abs()  # native flags a sign on scales[0]
+        at = formats.combine_scale_offset(hidden)  # past the fp8 token and its pad to whole f32s
+        scales = wire[:, at:].contiguous().view(torch.float32).abs()  # native flags a sign on scales[0]
         limit *= scales.repeat_interleave(block, dim=1)[:, :hidden]  # the last block may be short
     return float((magnitude > limit * (1 + 2**-20)).float().mean())

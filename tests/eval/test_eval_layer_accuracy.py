@@ -78,6 +78,17 @@ def test_metrics_on_known_values() -> None:
     assert saturated_fraction(y, CombineDtype.BF16, fp8, 128) == 0.0
 
 
+@pytest.mark.parametrize("hidden", [101, 102, 2880])
+@pytest.mark.parametrize("dtype", [CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8_BLOCKWISE_NATIVE])
+def test_saturation_reads_the_scales_past_the_tokens_pad(hidden: int, dtype: CombineDtype) -> None:
+    """Where hidden is not a multiple of 4 the scales start after a pad: read from byte ``hidden`` they
+    were misaligned (an error in torch's view) or wrong."""
+    block = 64
+    y = torch.linspace(-600.0, 600.0, 3 * hidden).view(3, hidden).to(torch.bfloat16)
+    assert saturated_fraction(y, dtype, torch.float8_e4m3fn, block) == 0.0
+    assert saturated_fraction(y, CombineDtype.FP8_DIRECT_CAST, torch.float8_e4m3fn, block) > 0.0
+
+
 def test_reference_is_the_exact_sum_of_routed_rows(rng: random.Random) -> None:
     setup = small_setup(rng)
     work = make_workload(setup)
