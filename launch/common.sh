@@ -81,12 +81,16 @@ one_of() {  # one_of FLAG VALUE CHOICE...
     usage_error "$flag '$value' is not accepted; use one of: $*"
 }
 
-positive_int() {  # positive_int FLAG VALUE
-    [[ $2 =~ ^[1-9][0-9]*$ ]] || usage_error "$1 '$2' is not a positive integer"
+# The largest SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK accepts (mori_sglang/env.py's MAX_TOKENS_PER_RANK).
+MAX_TOKENS_PER_RANK=1048576
+
+positive_int() {  # positive_int FLAG VALUE [MAX]: at most 10 digits, so bash's arithmetic cannot wrap
+    [[ $2 =~ ^[1-9][0-9]{0,9}$ ]] && ((10#$2 <= ${3:-4294967295})) ||
+        usage_error "$1 '$2' is not a positive integer${3:+ up to $3}"
 }
 
 tcp_port() {  # tcp_port FLAG VALUE
-    [[ $2 =~ ^[1-9][0-9]*$ ]] && (($2 <= 65535)) || usage_error "$1 '$2' is not a TCP port (1 to 65535)"
+    [[ $2 =~ ^[1-9][0-9]{0,4}$ ]] && ((10#$2 <= 65535)) || usage_error "$1 '$2' is not a TCP port (1 to 65535)"
 }
 
 parse_args() {
@@ -135,10 +139,11 @@ parse_args() {
     one_of --dispatch-dtype "$DISPATCH_DTYPE" "${DISPATCH_CHOICES[@]}"
     one_of --provider "$PROVIDER" "${PROVIDER_CHOICES[@]}"
     one_of --mode "$MODE" "${MODE_CHOICES[@]}"
-    positive_int --gpus "$GPUS"
-    positive_int --max-dispatch-tokens "$MAX_DISPATCH_TOKENS"
+    positive_int --gpus "$GPUS" 1024
+    positive_int --max-dispatch-tokens "$MAX_DISPATCH_TOKENS" "$MAX_TOKENS_PER_RANK"
     tcp_port --port "$PORT"
-    [[ $SEED =~ ^[0-9]+$ ]] || usage_error "--seed '$SEED' is not a non-negative integer"
+    [[ $SEED =~ ^[0-9]{1,10}$ ]] && ((10#$SEED <= 4294967295)) ||
+        usage_error "--seed '$SEED' is not an integer from 0 to 4294967295"
 }
 
 check_model_dir() {

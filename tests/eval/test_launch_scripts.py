@@ -165,7 +165,14 @@ def test_help_lists_every_option(script: str) -> None:
             ("--model", "M", "--combine-dtype", "fp16"),
             "--combine-dtype 'fp16' is not accepted; use one of: auto bf16 fp8 fp8_direct_cast fp4",
         ),
-        (("--model", "M", "--gpus", "0"), "--gpus '0' is not a positive integer"),
+        (("--model", "M", "--gpus", "0"), "--gpus '0' is not a positive integer up to 1024"),
+        (("--model", "M", "--gpus", "18446744073709551617"), "--gpus '18446744073709551617' is not a positive"),
+        (
+            ("--model", "M", "--max-dispatch-tokens", "2000000"),
+            "--max-dispatch-tokens '2000000' is not a positive integer up to 1048576",
+        ),
+        (("--model", "M", "--seed", "99999999999"), "--seed '99999999999' is not an integer from 0 to 4294967295"),
+        (("--model", "M", "--port", "9223372036854775808"), "is not a TCP port (1 to 65535)"),
         (("--model", "M", "--mode", "fast"), "--mode 'fast' is not accepted"),
         (
             ("--model", "M", "--provider", "nccl"),
@@ -477,3 +484,11 @@ def test_the_scripts_need_python3_to_read_the_choices(model: Path, tmp_path: Pat
     assert result.returncode == 1 and result.stdout == ""
     assert "error: python3 on PATH cannot read the accepted values from " in result.stderr
     assert result.stderr.rstrip().endswith("/mori_sglang/env.py")
+
+
+def test_the_token_bound_is_the_env_tables() -> None:
+    """The scripts refuse --max-dispatch-tokens past what SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK accepts."""
+    from mori_sglang import env
+
+    text = (LAUNCH / "common.sh").read_text()
+    assert f"MAX_TOKENS_PER_RANK={env.MAX_TOKENS_PER_RANK}\n" in text
