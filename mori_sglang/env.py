@@ -303,22 +303,31 @@ def ignored_by_provider(provider: str, environ: Mapping[str, str] | None = None)
     return [
         var.name
         for var in ENV_VARS
-        if var.providers and provider not in var.providers and _differs_from_default(var, _raw(var.name, environ))
+        if var.providers and provider not in var.providers and _differs_from_default(var, environ)
     ]
 
 
-def _differs_from_default(var: EnvVar, raw: str | None) -> bool:
-    """Whether a raw value asks for something the default does not (``true`` is the default ``1``)."""
-    if not raw:
-        return False
-    if var.kind == "bool":
-        return (raw.lower() in BOOL_TRUE) != (var.default in BOOL_TRUE)
-    if var.kind == "int":
-        try:
-            return int(raw) != int(var.default)
-        except ValueError:
-            return True
-    return raw != var.default
+def _differs_from_default(var: EnvVar, environ: Mapping[str, str] | None) -> bool:
+    """Whether the variable, read as the project reads it, differs from its default (``true`` is the
+    default ``1``); a value it refuses differs."""
+    read = READERS[var.kind]
+    try:
+        return read(var.name, environ) != read(var.name, {})
+    except EnvError:
+        return True
+
+
+def read_as_text(var: EnvVar, environ: Mapping[str, str] | None = None) -> str:
+    """The variable's value as the project reads it, written as it would be set (``1`` for true,
+    ``120`` for 120.0 s, empty where unset without a default)."""
+    value = READERS[var.kind](var.name, environ)
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def markdown_table() -> str:
@@ -379,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 1
     for var in ENV_VARS:
-        print(f"{var.name}={os.environ.get(var.name, var.default)}")
+        print(f"{var.name}={read_as_text(var)}")
     return 0
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mori_sglang import cli, formats
 from mori_sglang.config import EpConfig, Provider
 from mori_sglang.op import EpDispatchCombineOp
+from mori_sglang.providers import group_hosts, resolve_provider
 from mori_sglang.tools.measure import Stopwatch, identity_expert
 from mori_sglang.tools.workload import add_workload_args, speedup_cells, workload_configs
 
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     points = cli.checked(parser, lambda: workload_configs(args, world, int(os.environ["RANK"]), providers[0]))
     dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     rank = dist.get_rank()
+    if resolve_provider(providers[0], device, hosts=lambda: group_hosts(None)) is Provider.TORCH:
+        providers = [Provider.TORCH]  # auto took torch: it is its own baseline, one row per point
     rows = [
         bench(replace(cfg, provider=provider), tokens, device, args.iters, args.seed)
         for cfg, tokens in points

@@ -224,9 +224,9 @@ def main(argv: list[str] | None = None) -> Report:
     args = parser.parse_args(argv)
     device = cli.resolve_device(args.device)
     cli.check_triton_runs(device, "python -m mori_sglang.tools.op_overhead")
-    cfg = cli.checked(
-        parser,
-        lambda: EpConfig(
+
+    def config() -> EpConfig:
+        cfg = EpConfig(
             world_size=args.world,
             rank=0,
             hidden=args.hidden,
@@ -237,8 +237,11 @@ def main(argv: list[str] | None = None) -> Report:
             combine_dtype=args.combine_dtype,
             mode=args.mode,
             provider="triton",
-        ),
-    )
+        )
+        cli.check_wire(cfg)
+        return cfg
+
+    cfg = cli.checked(parser, config)
     report = measure(cfg, args.tokens, device, args.steps, args.repeats, args.iters, args.rounds)
     print(
         f"host cost per rank and call on {device}, loopback world of {args.world}, {args.tokens} tokens, hidden "

@@ -2,7 +2,7 @@
 from the defaults and is timed phase by phase in a loopback world, beside the defaults.
 
     python -m mori_sglang.tools.tune --tokens 128 4096 --mode low_latency --combine-dtype bf16 fp8 \\
-        --vary send_warps=2,4 combine_send_programs_per_sm=16,64 combine_recv_tile=1024,4096
+        --vary send_programs_per_sm=8,16 combine_send_programs_per_sm=16,64 combine_recv_tile=1024,4096
 
 A variant ``a=1,2`` sweeps one field; ``a=1+b=2`` changes two fields together. Use it to retune for
 another GPU (AMD's CUs differ from an H200's SMs) and put what wins into ``KernelTuning``'s defaults.

@@ -500,3 +500,21 @@ def test_op_refuses_a_bad_value_of_any_variable(monkeypatch: pytest.MonkeyPatch,
     cfg = EpConfig(2, 0, 256, 8, 2, max_tokens_per_rank=4, provider=Provider.TORCH)
     with pytest.raises(EnvError, match=name):
         LoopbackWorld(cfg, "cpu")
+
+
+def test_values_print_as_the_project_reads_them() -> None:
+    environ = {
+        "SGLANG_MORI_COMBINE_DTYPE": " FP8 ",
+        "SGLANG_MORI_DISPATCH_DTYPE": "",
+        "SGLANG_MORI_PEER_TIMEOUT_S": "",
+        "SGLANG_MORI_EP_V2": "on",
+        "MORI_ENABLE_SDMA": "False",
+        "SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "64",
+    }
+    got = {var.name: env.read_as_text(var, environ) for var in env.ENV_VARS}
+    assert got["SGLANG_MORI_COMBINE_DTYPE"] == "fp8"
+    assert got["SGLANG_MORI_DISPATCH_DTYPE"] == "auto"
+    assert got["SGLANG_MORI_PEER_TIMEOUT_S"] == str(env.DEFAULT_PEER_TIMEOUT_S)
+    assert got["SGLANG_MORI_EP_V2"] == "1" and got["MORI_ENABLE_SDMA"] == "0"
+    assert got["SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS"] == "64"
+    assert got["MORI_SHMEM_HEAP_SIZE"] == "" and got["MORI_FP8_COMBINE_SCALE_DIM"] == ""

@@ -117,10 +117,11 @@ def test_bench_runs_small_batches_in_buffers_sized_for_large_ones(tmp_path: Path
 
 @pytest.mark.slow
 def test_distributed_bench_under_torchrun(tmp_path: Path) -> None:
+    """On CPUs the default provider (auto) is torch: one row per point, not torch beside itself."""
     out = tmp_path / "dist.json"
     text = _run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mori_sglang.tools.bench_dist",
-         "--provider", "torch", "--tokens", "6", "--mode", "intranode", "low_latency", "--json", str(out), *SMALL],
+         "--tokens", "6", "--mode", "intranode", "low_latency", "--json", str(out), *SMALL],
         tmp_path,
         runs_kernels=False,
     ).stdout  # fmt: skip
