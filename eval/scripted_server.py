@@ -187,7 +187,11 @@ def main(argv: list[str] | None = None) -> None:
             script = json.load(f)
     except (OSError, ValueError) as e:
         parser.error(f"--script {args.script}: {e}")
-    with ScriptedServer(script, args.port, args.host) as server:
+    try:
+        server = ScriptedServer(script, args.port, args.host)
+    except OSError as e:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+    with server:
         print(f"scripted server on {args.host}:{server.port}", flush=True)
         server.serve_forever()
 

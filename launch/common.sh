@@ -142,6 +142,7 @@ parse_args() {
     positive_int --gpus "$GPUS" 1024
     positive_int --max-dispatch-tokens "$MAX_DISPATCH_TOKENS" "$MAX_TOKENS_PER_RANK"
     tcp_port --port "$PORT"
+    [[ -n $HOST ]] || usage_error "--host needs a value"
     [[ $SEED =~ ^[0-9]{1,10}$ ]] && ((10#$SEED <= 4294967295)) ||
         usage_error "--seed '$SEED' is not an integer from 0 to 4294967295"
 }

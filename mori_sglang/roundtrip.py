@@ -62,7 +62,8 @@ COLUMNS = (
 LEGEND = """\
 dispatch, combine: the wire format of each direction, by its SGLANG_MORI_DISPATCH_DTYPE /
   SGLANG_MORI_COMBINE_DTYPE name (fp8 combine: blockwise, one f32 scale per 128 elements;
-  fp8_blockwise_native: native MoRI's, 56 scales per token, each 1.0 unless its block would overflow);
+  fp8_blockwise_native: native MoRI's, blocks of ceil(hidden / 56), each scale 1.0 unless its block
+  would overflow);
   each row changes one direction, the other stays bf16.
 dispatch ms, combine ms: median milliseconds of one step of the whole world (every rank's send, then
   every rank's receive, all in this process); the dispatch includes quantizing on the sender.

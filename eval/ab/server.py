@@ -46,8 +46,9 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
+    """The log's last lines, or a sentence saying it is empty (a failure note never ends in a bare colon)."""
     text = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return "\n".join(text[-lines:])
+    return "\n".join(text[-lines:]) or f"(the server wrote nothing to {path})"
 
 
 class ManagedServer:

@@ -10,10 +10,14 @@ flushes the smallest to zero, while a handful of outliers exceed the fp8 maximum
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
+
+# The widest lognormal spread accepted: draws reach a few sigma, and e^(4 * 10) is far inside f32.
+MAX_SIGMA = 10.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,10 @@ class ActivationSpec:
     outlier_max: float = 2000.0
 
     def __post_init__(self) -> None:
+        if not all(math.isfinite(v) for v in dataclasses.astuple(self)):
+            raise ValueError(f"every setting must be a finite number: {self}")
+        if max(self.channel_sigma, self.token_sigma) > MAX_SIGMA:
+            raise ValueError(f"the sigmas must be at most {MAX_SIGMA} (e^(4 sigma) must stay inside f32)")
         if self.median <= 0 or self.channel_sigma < 0 or self.token_sigma < 0:
             raise ValueError("median must be > 0 and the sigmas >= 0")
         if not 0 <= self.outlier_rate <= 1:

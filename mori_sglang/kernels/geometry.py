@@ -71,8 +71,9 @@ class KernelTuning:
                 f"KernelTuning.send_warps={self.send_warps} with fused routing: the routing's waits read each "
                 "poll as one value in a single warp; use send_warps=1 or fused_routing_max_tokens=0"
             )
-        if self.early_launch_max_programs < 0:
-            raise ValueError(f"KernelTuning.early_launch_max_programs={self.early_launch_max_programs}: must be >= 0")
+        for name in ("early_launch_max_programs", "fused_routing_max_tokens", "self_routing_max_tokens"):
+            if getattr(self, name) < 0:  # 0 turns the feature off; a negative value meant nothing
+                raise ValueError(f"KernelTuning.{name}={getattr(self, name)}: must be >= 0")
         if self.dispatch_recv_bytes_per_sm <= 0:
             raise ValueError(f"KernelTuning.dispatch_recv_bytes_per_sm={self.dispatch_recv_bytes_per_sm}: must be > 0")
         for name in TILE_FIELDS:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from eval.ab.__main__ import main, parse_dtypes
-from eval.ab.server import render_command
+from eval.ab.server import log_tail, render_command
 from eval.ab.table import Row, markdown_table, payload_bytes_per_token
 from eval.gsm8k.data import read_jsonl
 from eval.gsm8k.prompt import get_answer_value
@@ -247,6 +247,26 @@ def test_data_and_output_problems_stop_ab_before_any_server(tmp_path: Path) -> N
     result = run_ab("--launch", f"touch {marker}", "--combine-dtypes", "bf16", "--output-dir", str(taken))
     assert result.returncode == 2 and f"argument --output-dir: {taken} is a file" in result.stderr
     assert not marker.exists()
+
+
+def test_an_empty_server_log_is_said_to_be_empty(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("")
+    assert log_tail(log) == f"(the server wrote nothing to {log})"
+    log.write_text("a\nb\n")
+    assert log_tail(log, lines=1) == "b"
+
+
+def test_scripted_server_on_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "script.json"
+    script.write_text("{}")
+    with ScriptedServer({}) as squatter:
+        result = subprocess.run(
+            [sys.executable, "-m", "eval.scripted_server", "--script", str(script), "--port", str(squatter.port)],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"cannot listen on 127.0.0.1:{squatter.port}" in result.stderr
 
 
 def test_combine_dtypes_take_the_env_names_and_long_aliases() -> None:

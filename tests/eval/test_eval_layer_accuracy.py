@@ -62,6 +62,11 @@ def test_activation_settings_are_checked() -> None:
         ActivationSpec(outlier_rate=2.0)
     with pytest.raises(ValueError, match="outlier_min <= outlier_max"):
         ActivationSpec(outlier_min=10.0, outlier_max=1.0)
+    for bad in ({"median": math.nan}, {"channel_sigma": math.inf}, {"outlier_max": math.inf}):
+        with pytest.raises(ValueError, match="every setting must be a finite number"):
+            ActivationSpec(**bad)
+    with pytest.raises(ValueError, match="the sigmas must be at most 10"):
+        ActivationSpec(channel_sigma=100.0)
 
 
 def test_metrics_on_known_values() -> None:

@@ -182,6 +182,7 @@ def test_help_lists_every_option(script: str) -> None:
         (("--model", "M", "--port", "99999"), "--port '99999' is not a TCP port (1 to 65535)"),
         (("--model", "M", "--port=0"), "--port '0' is not a TCP port (1 to 65535)"),
         (("--model=",), "--model needs a value"),
+        (("--model", "M", "--host", ""), "--host needs a value"),
     ],
 )
 def test_usage_errors(rng: random.Random, args: tuple[str, ...], message: str) -> None:

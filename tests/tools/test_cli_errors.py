@@ -46,6 +46,8 @@ USAGE_ERRORS = [
     (TUNE, ["--vary", "send_warps=1,2"], "--vary send_warps=2: KernelTuning.send_warps=2 with fused routing"),
     (TUNE, ["--vary", "recv_warps=3"], "--vary recv_warps=3: KernelTuning.recv_warps=3: warps are powers of two"),
     (TUNE, ["--vary", "combine_recv_programs_per_sm=0"], "KernelTuning.combine_recv_programs_per_sm=0: must be >= 1"),
+    (TUNE, ["--vary", "fused_routing_max_tokens=-1"], "KernelTuning.fused_routing_max_tokens=-1: must be >= 0"),
+    (TUNE, ["--vary", "self_routing_max_tokens=-1"], "KernelTuning.self_routing_max_tokens=-1: must be >= 0"),
     (TUNE, ["--iters", "0"], "argument --iters: 0 is below 1"),
     (BANDWIDTH, ["--fan-out", "3"], "--fan-out [3]: destinations must be powers of two"),
     (BANDWIDTH, ["--hidden", "1536"], "--hidden 1536: the fan-out probe needs a multiple of a power-of-two tile"),
