@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+from vllm.utils import deep_gemm
 
 from mori_sglang import formats
 from mori_sglang.config import DispatchDtype
@@ -26,7 +27,9 @@ def expert_format(
     """The wire format the experts consume as it is; None where only vLLM's quantizer makes their format.
 
     BF16 stands for unquantized activations in the layer's dtype. fp8 must be row-major 1x128 blocks of
-    the op's fp8 flavour; MXFP4 is AITER's w4a4 input (packed e2m1 + e8m0 per 32, unshuffled).
+    the op's fp8 flavour, with scales as the wire has them (amax / fp8_max): where vLLM's DeepGEMM uses
+    power-of-two (UE8M0) activation scales it would round ours, so vLLM's quantizer makes them instead;
+    MXFP4 is AITER's w4a4 input (packed e2m1 + e8m0 per 32, unshuffled).
     """
     if defer_input_quant or quant_config.quant_dtype is None:
         return DispatchDtype.BF16
@@ -38,6 +41,7 @@ def expert_format(
         and block is not None
         and block[1] == FP8_BLOCK
         and not quant_config.is_scale_transposed
+        and not deep_gemm.is_deep_gemm_e8m0_used()
     ):
         return DispatchDtype.FP8
     return None

@@ -256,6 +256,17 @@ def test_expert_format(
     assert expert_format(quant_config, defer, fp8) is want
 
 
+def test_block_fp8_experts_with_power_of_two_scales_get_vllms_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepGEMM with UE8M0 activation scales would round the wire's amax / 448 scales to powers of two
+    (a silent error of up to 2x per block): there vLLM's quantizer makes the experts' format."""
+    from mori_sglang.integrations.vllm import activations
+
+    monkeypatch.setattr(activations.deep_gemm, "is_deep_gemm_e8m0_used", lambda: True)
+    assert expert_format(FP8_BLOCK, False, FP8) is None
+    monkeypatch.setattr(activations.deep_gemm, "is_deep_gemm_e8m0_used", lambda: False)
+    assert expert_format(FP8_BLOCK, False, FP8) is DispatchDtype.FP8
+
+
 def _received(x: torch.Tensor, wire: DispatchDtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rows a receiver holds for tokens ``x``: payload and uint8 scale rows."""
     payload, scales = formats.quantize_dispatch(x, wire, FP8)
