@@ -589,21 +589,30 @@ def test_cpu_alignment_stand_in_matches_the_documented_example() -> None:
         ({}, {"no_combine": True}, "no_combine MoE layers are not supported with --moe-a2a-backend mori"),
     ],
 )
-def test_experts_the_triton_path_cannot_run_are_refused_by_name(quant: dict, config: dict, message: str) -> None:
-    rows = 4
-    output = MoriEPNormalDispatchOutput(
-        hidden_states=torch.zeros(rows, HIDDEN, dtype=torch.bfloat16),
+def _bf16_dispatch_output(hidden_states: torch.Tensor, received: int) -> MoriEPNormalDispatchOutput:
+    """A normal-mode dispatch output of bf16 rows, ``received`` of them received, all to expert 0."""
+    rows = hidden_states.shape[0]
+    return MoriEPNormalDispatchOutput(
+        hidden_states=hidden_states,
         hidden_states_scale=None,
         topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
         topk_weights=torch.ones(rows, TOPK),
-        num_recv_tokens_per_expert=torch.tensor([rows], dtype=torch.int32),
+        num_recv_tokens_per_expert=torch.tensor([received], dtype=torch.int32),
         origin_topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
         origin_topk_weights=torch.ones(rows, TOPK),
         out_dtype=torch.bfloat16,
     )
-    weights = TritonMoeQuantInfo(
+
+
+def _quant_info(**quant: object) -> TritonMoeQuantInfo:
+    return TritonMoeQuantInfo(
         w13_weight=torch.zeros(2, 2 * INTERMEDIATE, HIDDEN), w2_weight=torch.zeros(2, HIDDEN, INTERMEDIATE), **quant
     )
+
+
+def test_experts_the_triton_path_cannot_run_are_refused_by_name(quant: dict, config: dict, message: str) -> None:
+    output = _bf16_dispatch_output(torch.zeros(4, HIDDEN, dtype=torch.bfloat16), 4)
+    weights = _quant_info(**quant)
     runner_config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=2, hidden_size=HIDDEN, **config)
     with pytest.raises(NotImplementedError, match=message):
         triton_experts.mori_to_triton(output, weights, runner_config)
@@ -628,19 +637,8 @@ def test_rows_past_the_received_reach_per_tensor_experts_as_zeros(
     rows, received = 6, 2
     hidden_states = torch.randn(rows, HIDDEN).to(torch.bfloat16)
     hidden_states[received:] = torch.tensor([float("nan"), 3e38]).repeat(HIDDEN // 2).to(torch.bfloat16)
-    output = MoriEPNormalDispatchOutput(
-        hidden_states=hidden_states,
-        hidden_states_scale=None,
-        topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
-        topk_weights=torch.ones(rows, TOPK),
-        num_recv_tokens_per_expert=torch.tensor([received], dtype=torch.int32),
-        origin_topk_ids=torch.zeros(rows, TOPK, dtype=torch.int32),
-        origin_topk_weights=torch.ones(rows, TOPK),
-        out_dtype=torch.bfloat16,
-    )
-    weights = TritonMoeQuantInfo(
-        w13_weight=torch.zeros(2, 2 * INTERMEDIATE, HIDDEN), w2_weight=torch.zeros(2, HIDDEN, INTERMEDIATE), **quant
-    )
+    output = _bf16_dispatch_output(hidden_states, received)
+    weights = _quant_info(**quant)
     seen = {}
 
     def fused_experts(hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor:
