@@ -582,13 +582,6 @@ def test_cpu_alignment_stand_in_matches_the_documented_example() -> None:
     assert expert_ids.tolist() == [0, 1, 2, 3, -1] and padded.tolist() == [20]
 
 
-@pytest.mark.parametrize(
-    ("quant", "config", "message"),
-    [
-        ({"use_mxfp8": True}, {}, "cannot run MXFP8 experts"),
-        ({}, {"no_combine": True}, "no_combine MoE layers are not supported with --moe-a2a-backend mori"),
-    ],
-)
 def _bf16_dispatch_output(hidden_states: torch.Tensor, received: int) -> MoriEPNormalDispatchOutput:
     """A normal-mode dispatch output of bf16 rows, ``received`` of them received, all to expert 0."""
     rows = hidden_states.shape[0]
@@ -610,6 +603,13 @@ def _quant_info(**quant: object) -> TritonMoeQuantInfo:
     )
 
 
+@pytest.mark.parametrize(
+    ("quant", "config", "message"),
+    [
+        ({"use_mxfp8": True}, {}, "cannot run MXFP8 experts"),
+        ({}, {"no_combine": True}, "no_combine MoE layers are not supported with --moe-a2a-backend mori"),
+    ],
+)
 def test_experts_the_triton_path_cannot_run_are_refused_by_name(quant: dict, config: dict, message: str) -> None:
     output = _bf16_dispatch_output(torch.zeros(4, HIDDEN, dtype=torch.bfloat16), 4)
     weights = _quant_info(**quant)
