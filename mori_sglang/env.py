@@ -47,8 +47,11 @@ class EnvVar:
     minimum: int = 1  # the smallest integer accepted (kind int)
     maximum: int | None = None  # the largest number accepted (kinds int and seconds), None: no bound
     # The providers (config.Provider values) that read it; empty: every provider. Set for another
-    # provider, the op warns that it does nothing (upstream reads these only on its MoRI path).
+    # provider, the op warns that it does nothing (upstream reads these only on its MoRI path), unless
+    # ``others_set_it``: a framework writes or reads it for its own ends (SGLang's launcher writes
+    # SGLANG_MORI_EP_V2, FlashInfer reads TRTLLM_ENABLE_PDL), so a value there says nothing of the user.
     providers: tuple[str, ...] = ()
+    others_set_it: bool = False
 
     def accepted(self) -> str:
         if self.kind == "bool":
@@ -125,10 +128,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "1",
         "Native MoRI only: 1 runs the intranode mode with a bf16 combine within one host on MoRI's EP v2 "
         "(mori.ops.dispatch_combine_v2, its hip backend); the low-latency and split modes (AsyncLL), "
-        "quantized combines and groups across hosts stay on v1. 0: v1 everywhere. SGLang sets it to 0 "
-        "where its own EP v2 checks fail.",
+        "quantized combines and groups across hosts stay on v1. 0: v1 everywhere. SGLang's launcher sets it "
+        "(False) where its own EP v2 checks fail.",
         kind="bool",
         providers=("mori",),
+        others_set_it=True,
     ),
     EnvVar(
         "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD",
@@ -177,6 +181,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "(the variable with which SGLang turns it off for FlashInfer's kernels).",
         kind="bool",
         providers=("triton",),
+        others_set_it=True,
     ),
     EnvVar(
         "SGLANG_MORI_PEER_TIMEOUT_S",
@@ -303,7 +308,10 @@ def ignored_by_provider(provider: str, environ: Mapping[str, str] | None = None)
     return [
         var.name
         for var in ENV_VARS
-        if var.providers and provider not in var.providers and _differs_from_default(var, environ)
+        if var.providers
+        and provider not in var.providers
+        and not var.others_set_it
+        and _differs_from_default(var, environ)
     ]
 
 

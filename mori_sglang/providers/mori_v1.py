@@ -37,6 +37,9 @@ from mori_sglang.providers.mori_provider import (
 )
 from mori_sglang.types import CombineHandle, DispatchOutput
 
+# MoRI v1 numbers every token of every source in int32: ``pe * world * M + token``, with ``world * world *
+# M`` the "no token" index (``FlatTokenIndex`` / ``NullFlatTokenIndex`` in its dispatch_combine/common.hpp).
+INT32_MAX = 2**31 - 1
 QUANT_TYPE = {dtype: wire_formats.COMBINE_BY_NAME[dtype.value].mori_quant_type for dtype in CombineDtype}
 
 # (warps per block, blocks, RDMA blocks) per kernel type, as SGLang launches them.
@@ -132,11 +135,6 @@ def check_receive_cap(config: EpConfig, kernel: str) -> None:
             f"{config.max_recv_tokens} rows {config.world_size} ranks of {config.max_tokens_per_rank} tokens may "
             "send, and that kernel does not check the cap: unset it (0) or raise it to that"
         )
-
-
-# MoRI v1 numbers every token of every source in int32: ``pe * world * M + token``, with ``world * world *
-# M`` the "no token" index (``FlatTokenIndex`` / ``NullFlatTokenIndex`` in its dispatch_combine/common.hpp).
-INT32_MAX = 2**31 - 1
 
 
 def check_token_index_range(config: EpConfig) -> None:

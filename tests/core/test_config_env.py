@@ -452,8 +452,15 @@ def test_only_native_moris_variables_say_so() -> None:
         ({"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "4096"}, "mori", []),
         ({"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS": "0"}, "torch", []),  # the default asks for nothing
         ({"SGLANG_MORI_EP_V2": "true", "MORI_ENABLE_SDMA": "off"}, "torch", []),
-        ({"SGLANG_MORI_EP_V2": "0", "MORI_ENABLE_SDMA": "1"}, "torch", ["SGLANG_MORI_EP_V2", "MORI_ENABLE_SDMA"]),
-        ({"TRTLLM_ENABLE_PDL": "0"}, "mori", ["TRTLLM_ENABLE_PDL"]),
+        ({"SGLANG_MORI_EP_V2": "0", "MORI_ENABLE_SDMA": "1"}, "torch", ["MORI_ENABLE_SDMA"]),
+        # SGLang's launcher writes SGLANG_MORI_EP_V2=False; FlashInfer reads TRTLLM_ENABLE_PDL
+        ({"SGLANG_MORI_EP_V2": "False", "TRTLLM_ENABLE_PDL": "0"}, "triton", []),
+        ({"TRTLLM_ENABLE_PDL": "0"}, "mori", []),
+        (
+            {"SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "64"},
+            "triton",
+            ["SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD"],
+        ),
         ({"TRTLLM_ENABLE_PDL": "0"}, "triton", []),
         ({"SGLANG_MORI_PEER_TIMEOUT_S": "5", "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": ""}, "torch", []),
     ],
@@ -469,6 +476,9 @@ def test_op_warns_of_a_variable_its_provider_does_not_read(
     from mori_sglang.loopback import LoopbackWorld
 
     op_module._warn_ignored_env.cache_clear()
+    for var in env.ENV_VARS:  # whatever the caller's shell holds
+        if var.providers:
+            monkeypatch.delenv(var.name, raising=False)
     monkeypatch.setenv("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS", "256")
     cfg = EpConfig(2, 0, 256, 8, 2, max_tokens_per_rank=4, provider=Provider.TORCH)
     with caplog.at_level("WARNING", logger="mori_sglang.op"):

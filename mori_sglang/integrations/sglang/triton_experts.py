@@ -50,11 +50,11 @@ def _takes_pre_quantized_fp8(quant_info: TritonMoeQuantInfo) -> bool:
 
 
 def _quantizes_per_tensor(quant_info: TritonMoeQuantInfo) -> bool:
-    """Experts that scale their activations by one amax over every row handed to them (dynamic
-    per-tensor fp8 or int8: no block, no per-token scale, no static scale)."""
-    quantized = quant_info.use_fp8_w8a8 or quant_info.use_int8_w8a8
+    """Experts that scale their activations by one amax over every row handed to them: dynamic
+    per-tensor fp8 (no block, no per-token scale, no static scale; SGLang's int8 experts without a
+    block always scale per token)."""
     return (
-        quantized
+        quant_info.use_fp8_w8a8
         and quant_info.block_shape is None
         and not quant_info.per_channel_quant
         and quant_info.a13_scale is None

@@ -19,6 +19,7 @@ from vllm.config import get_current_vllm_config
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
 from vllm.distributed.parallel_state import get_ep_group
 from vllm.logger import init_logger
+from vllm.utils import deep_gemm
 
 from mori_sglang.config import EpConfig
 from mori_sglang.integrations import current_device
@@ -39,11 +40,13 @@ def wire_weight_dtype(quant_dtype: torch.dtype | str, scale_dim: int, hidden: in
     vLLM asks for packed fp4 (MXFP4 experts), fp8 with a scale per 128 elements (block-quantized
     experts), one scale per token (per-token or per-tensor fp8, mxfp8: ``quant_dtype`` may be a string)
     or unquantized tokens. Only the first two are wire formats of ours; the others travel as bf16 and
-    vLLM's quantizer runs on arrival, so no token is quantized twice.
+    vLLM's quantizer runs on arrival, so no token is quantized twice. So do block-fp8 tokens where
+    vLLM's DeepGEMM takes power-of-two (UE8M0) activation scales: it would round the wire's.
     """
     if quant_dtype == torch.float4_e2m1fn_x2:
         return quant_dtype
-    if quant_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and scale_dim * FP8_BLOCK == hidden:
+    block_fp8 = quant_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and scale_dim * FP8_BLOCK == hidden
+    if block_fp8 and not deep_gemm.is_deep_gemm_e8m0_used():
         return quant_dtype
     return None
 

@@ -263,8 +263,13 @@ def test_block_fp8_experts_with_power_of_two_scales_get_vllms_quantization(monke
 
     monkeypatch.setattr(activations.deep_gemm, "is_deep_gemm_e8m0_used", lambda: True)
     assert expert_format(FP8_BLOCK, False, FP8) is None
+    # and auto sends such tokens as bf16, so that only vLLM's quantizer rounds them
+    cfg = ep_config_from_vllm("mori_high_throughput", handle_kwargs(FP8, 56), environ={})
+    assert cfg.dispatch_dtype is DispatchDtype.BF16
     monkeypatch.setattr(activations.deep_gemm, "is_deep_gemm_e8m0_used", lambda: False)
     assert expert_format(FP8_BLOCK, False, FP8) is DispatchDtype.FP8
+    cfg = ep_config_from_vllm("mori_high_throughput", handle_kwargs(FP8, 56), environ={})
+    assert cfg.dispatch_dtype is DispatchDtype.FP8
 
 
 def _received(x: torch.Tensor, wire: DispatchDtype) -> tuple[torch.Tensor, torch.Tensor | None]:
