@@ -103,7 +103,7 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
             runners["--speculative-moe-runner-backend"] = draft_runner
     if not runners:
         return
-    check_mori_env()
+    env.check_all()  # every variable, before any model loads
     if aiter_runs_experts():
         return
     for flag, runner_backend in runners.items():
@@ -137,9 +137,3 @@ def check_runner_backend(runner_backend: str, flag: str = "--moe-runner-backend"
             "some checkpoints, e.g. triton_kernel or flashinfer_mxfp4 for gpt-oss MXFP4, whose MoE layers mori "
             "cannot run here: serve those with another --moe-a2a-backend)"
         )
-
-
-def check_mori_env(environ: Mapping[str, str] | None = None) -> None:
-    """Parse every variable mori-sglang reads at launch, before any model loads; raises ``EnvError``
-    naming the first bad one."""
-    env.check_all(environ)

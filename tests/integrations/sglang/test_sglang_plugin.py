@@ -298,7 +298,7 @@ def test_bad_env_value_fails_at_construction_naming_the_variable(
     with pytest.raises(EnvError, match=name):
         make_dispatcher(tp)
     with pytest.raises(EnvError, match=name):
-        plugin.check_mori_env()
+        env.check_all()
 
 
 BAD_VALUE_OF_KIND = {"bool": "maybe", "int": "4k", "choice": "nonsense", "seconds": "soon", "size": "lots"}
@@ -309,7 +309,7 @@ def test_launch_check_parses_every_variable(clean_env: pytest.MonkeyPatch, var) 
     """Every variable mori-sglang reads, of every kind, is parsed at launch."""
     clean_env.setenv(var.name, BAD_VALUE_OF_KIND[var.kind])
     with pytest.raises(EnvError, match=var.name):
-        plugin.check_mori_env()
+        env.check_all()
 
 
 def test_combine_dtype_no_provider_here_offers_is_refused_when_the_op_is_built(
@@ -893,9 +893,9 @@ def test_upstreams_manual_recv_cap_is_checked_and_said_not_to_apply(
 
     clean_env.setenv("SGLANG_MORI_MOE_MAX_INPUT_TOKENS", "-1")
     with pytest.raises(EnvError, match="SGLANG_MORI_MOE_MAX_INPUT_TOKENS=-1"):
-        plugin.check_mori_env()
+        env.check_all()
     clean_env.setenv("SGLANG_MORI_MOE_MAX_INPUT_TOKENS", "512")
-    plugin.check_mori_env()
+    env.check_all()
     dispatcher._warn_manual_recv_cap.cache_clear()
     with caplog.at_level("WARNING", logger=dispatcher.__name__):
         make_dispatcher(tp)
