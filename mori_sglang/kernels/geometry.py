@@ -21,7 +21,7 @@ class KernelTuning:
 
     # Batches of at most this many tokens route inside the dispatch send (one launch per send), in
     # tasks of ``fused_route_block`` tokens for one destination; larger batches (0: every batch) route
-    # in one kernel before the send, in blocks of ``route_block`` tokens. On an H200 the routing
+    # in one or two kernels before the send, in blocks of ``route_block`` tokens. On an H200 the routing
     # inside the send costs the device nothing at 128 tokens per rank and 17% of the send at 4096, where
     # the device, not the host's launches, bounds an eager step (docs/performance.md).
     fused_routing_max_tokens: int = 512
@@ -31,12 +31,8 @@ class KernelTuning:
     # tokens at a time, a cost that grows with the batch (worlds of at most SELF_ROUTING_MAX_WORLD ranks).
     self_routing_max_tokens: int = 128
     self_route_chunk: int = 64
-    # Tokens per program of the routing kernel. Each block of a batch of several runs in one warp (its
-    # waits read each poll as one value): 64-token blocks route 4096 tokens as fast as the two passes
-    # of 256-token blocks with four warps did, 256-token blocks in one warp take 1.5x as long
-    # (docs/performance.md).
-    route_block: int = 64
-    route_warps: int = 4  # warps of the program that numbers a batch of one block
+    route_block: int = 256  # tokens per routing program; larger batches get more programs
+    route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
     send_programs_per_sm: int = 48
