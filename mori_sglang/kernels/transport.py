@@ -29,11 +29,11 @@ The other kernels do so where the provider launches them with PDL_EARLY (``Kerne
 ``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
 
 The routing (each copy's destination slot) runs inside the dispatch send for small batches, so that a
-send is one launch, and in one ``route_kernel`` launch before the send for large ones, where the
-send's extra registers would cost more device time than the launch costs the host (docs/performance.md).
-Inside the send, the smallest batches route item by item, each counting the earlier tokens'
-destinations itself (``SELF_ROUTING``, ``_self_route``), and larger ones in tasks that number a block
-of tokens for one destination (``FUSED_ROUTING``, ``_route_task``), the tasks ``route_kernel`` runs too.
+send is one launch, and in ``route_count_kernel`` and ``route_kernel`` before the send for large ones,
+where the send's extra registers cost more device time than the launches cost the host
+(docs/performance.md). Inside the send, the smallest batches route item by item, each counting the
+earlier tokens' destinations itself (``SELF_ROUTING``, ``_self_route``), and larger ones in tasks that
+number a block of tokens for one destination (``FUSED_ROUTING``, the tasks below ``route_kernel``).
 """
 
 from __future__ import annotations
@@ -361,6 +361,27 @@ def _block_count(
 
 
 @triton.jit
+def route_count_kernel(
+    ids_ptr,
+    block_counts_ptr,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (d, b) counts the tokens of block b that go to rank d (the first pass of the routing
+    when the batch spans several blocks)."""
+    _routing_start(PDL)
+    d = tl.program_id(0)
+    b = tl.program_id(1)
+    count = _block_count(ids_ptr, d, b, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
+    tl.store(block_counts_ptr + d * tl.num_programs(1) + b, count)
+
+
+@triton.jit
 def _write_routes(
     ids_ptr,
     peer_bases,
@@ -415,6 +436,44 @@ def _write_routes(
             tl.atomic_max(status_ptr + 1, too_big)
     if last_block:
         tl.store(send_counts_ptr + d, before + tl.sum(goes, 0))
+
+
+@triton.jit
+def route_kernel(
+    ids_ptr,
+    peer_bases,
+    slot_of_pair_ptr,
+    row_of_pair_ptr,
+    block_counts_ptr,
+    send_counts_ptr,
+    status_ptr,
+    num_tokens,
+    num_experts,
+    num_local_experts,
+    rank,
+    max_tokens,
+    ROW_BYTES: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCKS_P2: tl.constexpr,  # the routing blocks rounded up to a power of two (1: one block)
+    PDL: tl.constexpr,
+):
+    """Program (d, b) numbers the tokens of block b that go to rank d (``_write_routes``), after the
+    tokens of the earlier blocks (route_count_kernel's counts; one block needs no first pass)."""
+    _routing_start(PDL)
+    d = tl.program_id(0)
+    b = tl.program_id(1)
+    nb = tl.num_programs(1)
+    if BLOCKS_P2 > 1:
+        earlier = tl.arange(0, BLOCKS_P2)
+        before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0).to(tl.int32)
+    else:
+        before = tl.zeros((), dtype=tl.int32)
+    _write_routes(
+        ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, d, b, before,
+        b == nb - 1, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, BLOCK_N,
+    )  # fmt: skip
 
 
 # The routing folded into the dispatch send (``FUSED_ROUTING``) is split into tasks: task ``b * W + d``
@@ -509,54 +568,6 @@ def _route_task(
     )  # fmt: skip
     tl.debug_barrier()  # every thread's stores precede the mark
     tl.atomic_xchg(routed_ptr + task, target, sem="release", scope="gpu")
-
-
-@triton.jit
-def route_kernel(
-    ids_ptr,
-    peer_bases,
-    slot_of_pair_ptr,
-    row_of_pair_ptr,
-    block_counts_ptr,
-    routed_ptr,
-    send_counts_ptr,
-    status_ptr,
-    round_ptr,
-    num_tokens,
-    num_experts,
-    num_local_experts,
-    rank,
-    max_tokens,
-    ROW_BYTES: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    W: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,  # the routing blocks rounded up to a power of two (1: one block)
-    COUNT_SPINS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """The routing before a send that does not route, in one launch whatever the batch: program
-    ``b * W + d`` numbers the tokens of block b that go to rank d (``_write_routes``). One block is
-    numbered at once; several run as the routing tasks inside the send do (``_route_task``: publish
-    the block's count, number after the earlier blocks' published counts), the tasks of earlier blocks
-    in programs of lower index, so that they start first, and a count late past COUNT_SPINS polls made
-    by the waiting task itself. Tagged with the round the send after it opens, the counts need no
-    reset and no pass of their own."""
-    _routing_start(PDL)
-    task = tl.program_id(0)
-    if NBP > 1:
-        _route_task(
-            task, tl.load(round_ptr) + 1, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
-            routed_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank, max_tokens,
-            ROW_BYTES, K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
-        )  # fmt: skip
-    else:
-        _write_routes(
-            ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, task, 0,
-            tl.zeros((), dtype=tl.int32), True, num_tokens, num_experts, num_local_experts, rank, max_tokens,
-            ROW_BYTES, K, KP, BLOCK_N,
-        )  # fmt: skip
 
 
 @triton.jit

@@ -218,8 +218,8 @@ class TritonProvider(EpProvider):
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_ROUTE_TASK)  # the most a batch can span
-        # Per routing task (block, destination): its count tagged with the send's round, the round it
-        # finished and, for the tasks inside the send, the round a program claimed it in.
+        # Per routing block and destination: its count (tagged with the send's round when fused), and,
+        # for the routing inside the send, the round its task was claimed in and the round it finished.
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         self._route_claims = torch.zeros_like(self._block_counts)
         self._routed = torch.zeros_like(self._block_counts)
@@ -310,7 +310,7 @@ class TritonProvider(EpProvider):
         self._ensure_peers()
         num_tokens = payload.shape[0]
         with_scales = scales is not None
-        route, send = self._cached(
+        route_count, route, send = self._cached(
             ("dispatch", num_tokens, quantize, with_scales),
             self._dispatch_launches,
             num_tokens,
@@ -319,6 +319,8 @@ class TritonProvider(EpProvider):
             with_scales,
         )
         ids = _contiguous(ids)
+        if route_count is not None:
+            route_count(ids)
         if route is not None:
             route(ids)
         if with_scales:
@@ -329,8 +331,9 @@ class TritonProvider(EpProvider):
 
     def _dispatch_launches(
         self, num_tokens: int, layout: formats.DispatchRowLayout, quantize: bool, with_scales: bool
-    ) -> tuple[BoundLaunch | None, BoundLaunch]:
-        """The routing kernel (none when the send routes) and the send of a batch of ``num_tokens``."""
+    ) -> tuple[BoundLaunch | None, BoundLaunch | None, BoundLaunch]:
+        """The routing kernels (none when the send routes, one or two otherwise) and the send of a
+        batch of ``num_tokens``."""
         cfg = self.config
         self_routed = num_tokens <= self._tuning.self_routing_max_tokens and cfg.world_size <= SELF_ROUTING_MAX_WORLD
         fused = not self_routed and num_tokens <= self._tuning.fused_routing_max_tokens
@@ -349,7 +352,9 @@ class TritonProvider(EpProvider):
             "rank": cfg.rank,
             "max_tokens": cfg.max_tokens_per_rank,
         }
-        route = None if fused or self_routed else self._routing_launch(blocks, route_block, routes, layout)
+        route_count = route = None
+        if not (fused or self_routed):
+            route_count, route = self._routing_launches(blocks, route_block, routes, layout)
         if quantize:  # a tile is whole scale groups of the format's row in the table
             fmt = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value]
             quant, group = fmt.kernel_code, fmt.scale_group
@@ -401,31 +406,42 @@ class TritonProvider(EpProvider):
             },
             ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
-        return route, send
+        return route_count, route, send
 
-    def _routing_launch(
+    def _routing_launches(
         self, blocks: int, route_block: int, routes: dict[str, object], layout: formats.DispatchRowLayout
-    ) -> BoundLaunch:
-        """The routing kernel before a send that does not route: a program per (block of tokens,
-        destination). Several blocks run as routing tasks, whose waits read each poll as one value in a
-        single warp; one block is numbered at once by up to ``route_warps`` warps."""
+    ) -> tuple[BoundLaunch | None, BoundLaunch]:
+        """The routing kernels before a send that does not route: programs (destination, block of
+        tokens); a batch of several blocks counts per block first."""
         cfg = self.config
-        return self._bind(
+        route_meta = {
+            "K": cfg.topk,
+            "KP": triton.next_power_of_2(cfg.topk),
+            "BLOCK_N": route_block,
+            "num_warps": max(1, min(self._tuning.route_warps, route_block // MIN_TILE)),
+        }
+        experts = {name: routes[name] for name in ("num_tokens", "num_experts", "num_local_experts")}
+        route_count = None
+        if blocks > 1:
+            route_count = self._bind(
+                transport.route_count_kernel,
+                (cfg.world_size, blocks),
+                {"block_counts_ptr": self._block_counts, **experts},
+                route_meta,
+                ("ids_ptr",),
+            )
+        route = self._bind(
             transport.route_kernel,
-            (cfg.world_size * blocks,),
-            {**routes, "routed_ptr": self._routed, "round_ptr": self.rounds[0]},
+            (cfg.world_size, blocks),
+            routes,
             {
-                "K": cfg.topk,
-                "KP": triton.next_power_of_2(cfg.topk),
-                "W": cfg.world_size,
-                "BLOCK_N": route_block,
-                "NBP": triton.next_power_of_2(blocks),
-                "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
+                **route_meta,
                 "ROW_BYTES": layout.row_bytes,
-                "num_warps": 1 if blocks > 1 else max(1, min(self._tuning.route_warps, route_block // MIN_TILE)),
+                "BLOCKS_P2": triton.next_power_of_2(blocks) if blocks > 1 else 1,
             },
             ("ids_ptr",),
         )
+        return route_count, route
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
         """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""

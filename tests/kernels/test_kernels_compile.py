@@ -10,8 +10,8 @@ copy several times slower once, so it fails here.
 
 The launches are recorded without programmatic dependent launch (the interpreter cannot run it) and
 compiled for sm_90 a second time with it, as a Hopper GPU launches them: each kernel must wait for the
-kernel before it ahead of its first global memory access, and only the routing kernel may let the
-kernel after it launch early.
+kernel before it ahead of its first global memory access, and only the routing kernels may let the
+kernel after them launch early.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from tests.helpers import routing_tuning
 
 REPO = Path(__file__).resolve().parents[2]
 KERNELS = [
+    "route_count_kernel",
     "route_kernel",
     "dispatch_send_kernel",
     "dispatch_recv_kernel",
@@ -152,7 +153,7 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
         cfg = EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=65, dispatch_dtype=dispatch, combine_dtype=combine,
                        mode=Mode.INTRANODE, provider="triton", fp8_dtype=torch.float8_e4m3fn)  # fmt: skip
         _step(cfg, [65 if i == 0 else 1] + [1] * 7, "self")
-        if i == 0:  # the routing tasks in the send, and the routing kernel's tasks before one that does not
+        if i == 0:  # the routing tasks in the send, and the routing kernels (two passes) of one that does not route
             _step(cfg, [65] + [1] * 7, "tasks")
             _step(cfg, [65] + [1] * 7, "kernels")
     monkeypatch.undo()
@@ -186,7 +187,7 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     assert [c["instructions"] for c in controls[: len(unique)]] == [[]] * len(unique)
     for spec, control in zip(hopper, controls[len(unique) :], strict=True):
         early = (
-            spec["kernel"] == "route_kernel" or spec["constants"]["PDL"] == transport.PDL_EARLY
+            spec["kernel"] in ("route_count_kernel", "route_kernel") or spec["constants"]["PDL"] == transport.PDL_EARLY
         )
         assert control["instructions"] == (["launch_dependents", "wait"] if early else ["wait"]), spec["kernel"]
         assert control["waits_first"], f"{spec['kernel']} touches global memory before its grid wait"

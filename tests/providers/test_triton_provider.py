@@ -240,8 +240,9 @@ def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:
 
 @pytest.mark.parametrize("routing", ROUTING_REGIMES)
 def test_routing_over_several_blocks_numbers_tokens_across_blocks(routing: str, rng: random.Random) -> None:
-    """Batches wider than a routing block, task or chunk: tasks (in the routing kernel or inside the
-    send) that wait for earlier blocks' counts, items that count several chunks of earlier tokens."""
+    """Batches wider than a routing block, task or chunk: the routing kernels' two passes (count per
+    block, then number), tasks that wait for earlier blocks' counts, items that count several chunks of
+    earlier tokens."""
     max_tokens = 200
     worlds = {}
     for provider in ("torch", "triton"):
@@ -280,7 +281,7 @@ def test_every_routing_numbers_the_same_slots(routing: str, ids_dtype: torch.dty
 @pytest.mark.parametrize("world_size", [40, 65])
 def test_worlds_of_more_than_32_and_64_ranks_route_alike(world_size: int, rng: random.Random) -> None:
     """A token's destinations fit a 64-bit word per token from 33 ranks on; past 64 ranks the send
-    does not route item by item, and the routing kernel numbers the same slots."""
+    does not route item by item, and the routing kernels number the same slots."""
     worlds = {
         provider: LoopbackWorld(
             EpConfig(world_size, 0, 64, 2 * world_size, 6, max_tokens_per_rank=5, provider=provider), DEVICE
