@@ -35,6 +35,8 @@ from mori_sglang.tools.measure import (
     count_launches,
     graph_replay,
     host_us_per_call,
+    kept_busy,
+    kept_busy_text,
     time_eager,
     time_phases,
 )
@@ -87,7 +89,8 @@ class EagerRow:
     launches: list[float] | None
     d2h_copies: float | None
     graph_us: list[float] | None
-    device_kept_busy: bool  # every host measurement ended before the device reached the calls' work
+    # Every host measurement ended before the device reached the calls' work (None on a CPU: no device).
+    device_kept_busy: bool | None
     torch_launch_us: float
 
 
@@ -135,7 +138,7 @@ def _eager_row(
         launches=None,
         d2h_copies=None,
         graph_us=[t / world for t in graph_us] if graph_us is not None else None,
-        device_kept_busy=busy and torch_busy,
+        device_kept_busy=kept_busy(busy, torch_busy),
         torch_launch_us=torch_launch_us,
     )
 
@@ -242,7 +245,7 @@ def eager_markdown(rows: list[Row]) -> str:
             f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
             f"{cells(e.host_us, '.1f')} | {cells(e.device_us, '.1f')} | {cells(e.graph_us, '.1f')} | "
             f"{cells(e.launches, 'g')} | {d2h} | {e.torch_launch_us:.2f} | {sum(e.host_us) / e.torch_launch_us:.1f} | "
-            f"{'yes' if e.device_kept_busy else 'no'} |"
+            f"{kept_busy_text(e.device_kept_busy)} |"
         )
     return "\n".join(lines)
 

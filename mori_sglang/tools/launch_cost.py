@@ -39,7 +39,7 @@ from mori_sglang.kernels.probes import (
     send_end_probe_kernel,
 )
 from mori_sglang.providers.triton_provider import programmatic_launch
-from mori_sglang.tools.measure import graph_replay, host_us_per_call, time_phases, write_rows
+from mori_sglang.tools.measure import graph_replay, host_us_per_call, kept_busy_text, time_phases, write_rows
 
 WIDE_ARGUMENTS = 20  # beside the output pointer
 REPEATS = 5
@@ -53,7 +53,7 @@ class LaunchCost:
     runtime_arguments: int
     host_us: float  # median over the repeats of the mean per launch
     ratio_to_torch: float
-    device_kept_busy: bool
+    device_kept_busy: bool | None  # None on a CPU: no device to keep busy
 
 
 def _paths(device: torch.device, wide: bool) -> dict[str, Callable[[], object]]:
@@ -173,7 +173,7 @@ def markdown(rows: list[LaunchCost]) -> str:
         "| --- | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
-        busy = "yes" if r.device_kept_busy else "no"
+        busy = kept_busy_text(r.device_kept_busy)
         lines.append(f"| {r.path} | {r.runtime_arguments} | {r.host_us:.2f} | {r.ratio_to_torch:.2f} | {busy} |")
     return "\n".join(lines)
 

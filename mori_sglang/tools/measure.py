@@ -73,11 +73,12 @@ PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 def time_eager(
     phases: list[Callable[[], object]], device: torch.device, iters: int
-) -> tuple[list[list[float]], list[list[float]] | None, bool]:
+) -> tuple[list[list[float]], list[list[float]] | None, bool | None]:
     """Host seconds of each phase's calls and, on a GPU, device seconds of the work they queued, per
     iteration. On a GPU a sleep kernel runs ahead of each phase, longer than its calls take, so the host
     time holds no wait for the device (a synchronisation in a call would show as the whole sleep) and the
-    device time no gap for the host. The third value: whether the sleep outlasted the calls every time."""
+    device time no gap for the host. The third value: whether the sleep outlasted the calls every time
+    (None on a CPU, where no device runs ahead of the calls)."""
     host: list[list[float]] = [[] for _ in phases]
     if device.type != "cuda":
         for _ in range(iters):
@@ -85,7 +86,7 @@ def time_eager(
                 t0 = time.perf_counter()
                 phase()
                 host[i].append(time.perf_counter() - t0)
-        return host, None, True
+        return host, None, None
     dev: list[list[float]] = [[] for _ in phases]
     cycles_per_s = _sleep_rate(device)
     sleeps = []
@@ -111,10 +112,23 @@ def time_eager(
     return host, dev, busy
 
 
-def host_us_per_call(call: Callable[[], object], device: torch.device, iters: int, repeats: int) -> tuple[float, bool]:
+def kept_busy(*flags: bool | None) -> bool | None:
+    """Whether the device was kept busy through every timing of ``flags`` (``time_eager``'s third
+    value); None where any ran without a device."""
+    return None if None in flags else all(flags)
+
+
+def kept_busy_text(flag: bool | None) -> str:
+    """A table's cell for ``kept_busy``: a CPU has no device to keep busy, which is neither yes nor no."""
+    return "no device" if flag is None else "yes" if flag else "no"
+
+
+def host_us_per_call(
+    call: Callable[[], object], device: torch.device, iters: int, repeats: int
+) -> tuple[float, bool | None]:
     """Median over ``repeats`` of the mean host µs of ``iters`` calls, timed as the eager benchmark times a
     phase (``time_eager``: on a GPU a sleep kernel ahead outlasts them; the second value says whether it
-    did every time)."""
+    did every time, None on a CPU)."""
     call()  # compile outside the timing
 
     def calls() -> None:

@@ -53,7 +53,8 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
 
 
 def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> None:
-    """``--eager`` adds a table of steps launched from Python; on a CPU only the host column has values."""
+    """``--eager`` adds a table of steps launched from Python; on a CPU only the host column has values,
+    and no device was kept busy (there is none)."""
     out = tmp_path / "bench.json"
     text = _run(
         [sys.executable, "-m", "mori_sglang.tools.bench", "--world", "2", "--tokens", "4", "--mode", "intranode",
@@ -66,11 +67,13 @@ def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> Non
     host = [float(cell) for cell in rows[0][5:10]]
     assert all(h > 0 for h in host) and abs(sum(host[:4]) - host[4]) < 0.2
     assert rows[0][10:15] == ["-"] * 5  # no device time on a CPU
+    assert rows[0][28] == "no device"
     torch_launch, in_launches = float(rows[0][26]), float(rows[0][27])
     assert torch_launch > 0 and abs(in_launches - host[4] / torch_launch) <= 0.05 + 0.01 * in_launches
     eager_json = json.loads(out.read_text())["rows"][0]["eager"]
     assert len(eager_json["host_us"]) == 4 and eager_json["launches"] is None
     assert eager_json["torch_launch_us"] == pytest.approx(torch_launch, abs=0.005)
+    assert eager_json["device_kept_busy"] is None
 
 
 def test_eager_launches_are_counted_after_every_row_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,6 +69,9 @@ def test_cli_prints_every_path_for_both_kernels(capsys: pytest.CaptureFixture[st
     assert all(f"| {r.path} | {r.runtime_arguments} | {r.host_us:.2f} |" in printed for r in rows)
     assert (tmp_path / "rows.json").read_text().count('"path"') == len(rows)
     assert ("device cost of an idle kernel" in printed) == (DEVICE.type == "cuda")
+    if DEVICE.type != "cuda":  # no device runs ahead of the calls: neither kept busy nor not
+        assert all(r.device_kept_busy is None for r in rows)
+        assert all(line.endswith("| no device |") for line in printed.splitlines() if line.startswith("| torch"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph replay needs a GPU")
