@@ -286,8 +286,9 @@ class MoriSglangDispatcher(BaseDispatcher):
             )
         mode = self._resolve_mode()
         op = self._op(mode)
-        weights = topk_output.topk_weights.to(torch.float32)
-        ids = topk_output.topk_ids.to(torch.int32)
+        # The router's tensors as they are (the op reads f32 or 16-bit weights and int32 or int64 ids
+        # without a conversion): no copy per step, and origin_topk_* are the router's, as upstream's.
+        weights, ids = topk_output.topk_weights, topk_output.topk_ids
         op.dispatch_send(hidden_states, weights, None, ids)
         self._num_tokens = hidden_states.shape[0]
         sender_rows = _sender_rows() if self._bound_recv else None

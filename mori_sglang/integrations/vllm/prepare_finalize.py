@@ -113,7 +113,7 @@ class MoriSglangPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             quant_config=quant_config,
         )
         self._received = None
-        self.op.dispatch_send(a1.to(torch.bfloat16), topk_weights.float(), None, topk_ids)
+        self.op.dispatch_send(a1.to(torch.bfloat16), topk_weights, None, topk_ids)  # weights as the router made them
 
     def _dispatch_recv(self) -> None:
         """The receive hook: wait for the tokens routed to this rank."""

@@ -582,6 +582,33 @@ def test_one_rank_step_returns_what_sglang_reads(
     assert combined.shape == (20, HIDDEN) and torch.equal(combined, want)
 
 
+@pytest.mark.parametrize(("weights_dtype", "ids_dtype"), [(torch.bfloat16, torch.int64), (torch.float16, torch.int32)])
+def test_router_tensors_of_other_dtypes_travel_as_they_are(
+    tp: GroupCoordinator,
+    clean_env: pytest.MonkeyPatch,
+    seed: int,
+    weights_dtype: torch.dtype,
+    ids_dtype: torch.dtype,
+) -> None:
+    """A router's 16-bit weights or int64 ids are sent without a conversion: origin_topk_* are the
+    router's own tensors (as upstream's dispatcher hands them back), and every received field equals
+    that of the same router output in f32 weights and int32 ids."""
+    clean_env.setenv(CAP_VAR, "32")
+    clean_env.setenv("SGLANG_MORI_DISPATCH_DTYPE", "fp8")
+    x = tokens(20, seed)
+    f32 = topk_output(20, 8, seed)
+    topk = StandardTopKOutput(
+        f32.topk_weights.to(weights_dtype), f32.topk_ids.to(ids_dtype), f32.router_logits
+    )  # fmt: skip
+    reference = StandardTopKOutput(topk.topk_weights.float(), f32.topk_ids, f32.router_logits)
+    outs = [make_dispatcher(tp).dispatch(hidden_states=x, topk_output=t) for t in (topk, reference)]
+    assert outs[0].origin_topk_weights is topk.topk_weights and outs[0].origin_topk_ids is topk.topk_ids
+    n = int((f32.topk_ids >= 0).any(dim=1).sum())
+    for field in ("hidden_states", "hidden_states_scale", "topk_ids", "topk_weights"):
+        got, want = (getattr(out, field)[:n] for out in outs)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), field
+
+
 def test_calls_out_of_order_are_refused(tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, seed: int) -> None:
     clean_env.setenv(CAP_VAR, "16")
     d = make_dispatcher(tp)
