@@ -121,13 +121,9 @@ COMBINES = [
 ]
 
 
-# On a GPU every real MoE hidden size, gpt-oss's 2880 among them (a partial last block): every mode at
-# three of them, low latency at the others (the modes share the kernels' code for every size).
+# On a GPU every real MoE hidden size, gpt-oss's 2880 among them (a partial last block), in every mode.
 MODEL_HIDDENS = (2048, 2880, 3584, 4096, 5120, 6144, 7168)
-EVERY_MODE_HIDDENS = (HIDDEN, 4096, 2880) if ON_GPU else (HIDDEN,)
-HIDDEN_MODES = [(h, m) for h in EVERY_MODE_HIDDENS for m in Mode] + (
-    [(h, Mode.LOW_LATENCY) for h in MODEL_HIDDENS if h not in EVERY_MODE_HIDDENS] if ON_GPU else []
-)
+HIDDEN_MODES = [(h, m) for h in (MODEL_HIDDENS if ON_GPU else (HIDDEN,)) for m in Mode]
 
 
 @pytest.mark.parametrize(("hidden", "mode"), HIDDEN_MODES)
