@@ -34,7 +34,7 @@ from mori_sglang.config import EpConfig, Mode
 from mori_sglang.kernels.launch import BoundLaunch, through_tritons_launcher
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.tools.bench import REPEATS, TORCH_LAUNCHES
-from mori_sglang.tools.measure import PHASES, host_us_per_call, time_eager
+from mori_sglang.tools.measure import PHASES, host_us_per_call, kept_busy_text, time_eager
 from mori_sglang.tools.step import LoopbackStep
 
 
@@ -184,7 +184,7 @@ def markdown(report: Report) -> str:
     )
     differences = rounds.differences()
     lower = sum(d < 0 for d in differences)
-    busy = "yes" if rounds.device_kept_busy else "no"
+    busy = kept_busy_text(rounds.device_kept_busy)
     lines += [
         "",
         f"one torch launch (in-place add): {torch_launch:.2f} µs, median of {len(rounds.torch_launch_us)} rounds "

@@ -597,9 +597,7 @@ def test_router_tensors_of_other_dtypes_travel_as_they_are(
     clean_env.setenv("SGLANG_MORI_DISPATCH_DTYPE", "fp8")
     x = tokens(20, seed)
     f32 = topk_output(20, 8, seed)
-    topk = StandardTopKOutput(
-        f32.topk_weights.to(weights_dtype), f32.topk_ids.to(ids_dtype), f32.router_logits
-    )  # fmt: skip
+    topk = StandardTopKOutput(f32.topk_weights.to(weights_dtype), f32.topk_ids.to(ids_dtype), f32.router_logits)
     reference = StandardTopKOutput(topk.topk_weights.float(), f32.topk_ids, f32.router_logits)
     outs = [make_dispatcher(tp).dispatch(hidden_states=x, topk_output=t) for t in (topk, reference)]
     assert outs[0].origin_topk_weights is topk.topk_weights and outs[0].origin_topk_ids is topk.topk_ids
