@@ -108,8 +108,8 @@ COMBINE_FORMATS: tuple[CombineFormat, ...] = (
         OP_FP8,
     ),
     CombineFormat("fp8_direct_cast", "fp8_direct_cast", 8, 0, 0, COMBINE_FP8_DIRECT, "fp8_direct_cast", OP_FP8),
-    # Native MoRI's own, on gfx950: no reference or kernel of ours.
-    CombineFormat("fp4_blockwise", "fp4", 4, FP8_BLOCK, 0, None, "fp4_blockwise", NO_FP8),
+    # Native MoRI's own, on gfx950: no reference or kernel of ours; blocks as MoRI's blockwise fp8.
+    CombineFormat("fp4_blockwise", "fp4", 4, 0, NATIVE_COMBINE_SCALES, None, "fp4_blockwise", NO_FP8),
 )
 DISPATCH_BY_NAME = {f.name: f for f in DISPATCH_FORMATS}
 COMBINE_BY_NAME = {f.name: f for f in COMBINE_FORMATS}

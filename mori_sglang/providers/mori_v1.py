@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mori_sglang import env, formats, wire_formats
-from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, combine_block_from_scale_dim
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.mori_provider import (
@@ -116,13 +116,30 @@ def mori_config_kwargs(
 
 def check_combine_quantization(config: EpConfig, kernel: str) -> None:
     """MoRI quantizes the combine only in some kernels: fp8 blockwise in IntraNode and AsyncLL, fp4 in
-    IntraNode (on gfx950, which MoRI checks itself)."""
+    IntraNode (on gfx950, which MoRI checks itself), and fp4 only in blocks of an even length."""
     quant = QUANT_TYPE[config.combine_dtype]
     if quant in BLOCKWISE_KERNELS and kernel not in BLOCKWISE_KERNELS[quant]:
         raise ConfigError(
             f"SGLANG_MORI_COMBINE_DTYPE={config.combine_dtype.value} is not offered by MoRI's {kernel} kernel "
             f"(mode {config.mode.value}, {config.world_size} ranks); use bf16 or fp8_direct_cast there"
         )
+    block = mori_combine_block(config)
+    if config.combine_dtype is CombineDtype.FP4_BLOCKWISE and block % 2:
+        # MoRI packs element pairs from each block's start: a block of odd length starts every other
+        # block mid-byte, and those pairs are quantized with the next block's scale.
+        raise ConfigError(
+            f"SGLANG_MORI_COMBINE_DTYPE={wire_formats.COMBINE_BY_NAME[config.combine_dtype.value].env_name} "
+            f"(fp4_blockwise) at hidden {config.hidden} gives blocks of {block} elements (ceil(hidden / "
+            f"MORI_FP8_COMBINE_SCALE_DIM), {wire_formats.NATIVE_COMBINE_SCALES} scales unless set); MoRI's fp4 "
+            "combine needs blocks of an even length: set MORI_FP8_COMBINE_SCALE_DIM so that ceil(hidden / it) is even"
+        )
+
+
+def mori_combine_block(config: EpConfig) -> int:
+    """The block MoRI's blockwise combines (fp8 and fp4) quantize in: it reads MORI_FP8_COMBINE_SCALE_DIM
+    (scales per token) from the process environment itself, whatever the op's config says."""
+    scales = env.get_int("MORI_FP8_COMBINE_SCALE_DIM") or wire_formats.NATIVE_COMBINE_SCALES
+    return combine_block_from_scale_dim(config.hidden, scales)
 
 
 def check_receive_cap(config: EpConfig, kernel: str) -> None:

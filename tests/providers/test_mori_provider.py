@@ -6,6 +6,7 @@ in test_mori_numerics.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -181,6 +182,27 @@ def test_a_loopback_world_refuses_native_mori(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ConfigError, match="native MoRI provider runs on real ranks"):
         LoopbackWorld(EpConfig(2, 0, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, provider="mori"))
     assert providers.resolve_provider(Provider.AUTO, torch.device("cuda", 0), real_ranks=False) is not Provider.MORI
+
+
+@pytest.mark.parametrize(("hidden", "scale_dim"), [(2048, None), (256, None), (7168, 55), (256, 7)])
+def test_fp4_combine_in_blocks_of_odd_length_is_refused(
+    hidden: int, scale_dim: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MoRI packs fp4 pairs from each block's start: odd blocks (hidden 2048 under MoRI's default 56
+    scales: 37) would quantize pairs across a block edge with the wrong scale. MoRI reads
+    MORI_FP8_COMBINE_SCALE_DIM from the process environment, and so does the check."""
+    if scale_dim is None:
+        monkeypatch.delenv("MORI_FP8_COMBINE_SCALE_DIM", raising=False)
+    else:
+        monkeypatch.setenv("MORI_FP8_COMBINE_SCALE_DIM", str(scale_dim))
+    cfg = EpConfig(8, 0, hidden, 256, 8, dispatch_dtype=DispatchDtype.MXFP4, combine_dtype=CombineDtype.FP4_BLOCKWISE)
+    block = math.ceil(hidden / (scale_dim or 56))
+    assert block % 2 == 1
+    refusal = f"COMBINE_DTYPE=fp4 .*blocks of {block} elements.*MORI_FP8_COMBINE_SCALE_DIM"
+    with pytest.raises(ConfigError, match=refusal):
+        check_combine_quantization(cfg, "IntraNode")
+    monkeypatch.setenv("MORI_FP8_COMBINE_SCALE_DIM", str(hidden // 8))  # blocks of 8
+    check_combine_quantization(cfg, "IntraNode")
 
 
 @pytest.mark.parametrize(
@@ -372,7 +394,7 @@ CASES = (
     Case(Mode.INTRANODE, DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE, 256, "IntraNode"),  # 56 blocks of 5
     Case(Mode.INTRANODE, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE_NATIVE, 7168, "IntraNode"),  # of 128
     Case(Mode.INTRANODE, DispatchDtype.MXFP8, CombineDtype.FP8_DIRECT_CAST, 256, "IntraNode"),
-    Case(Mode.INTRANODE, DispatchDtype.MXFP4, CombineDtype.FP4_BLOCKWISE, 256, "IntraNode"),  # gfx950 only
+    Case(Mode.INTRANODE, DispatchDtype.MXFP4, CombineDtype.FP4_BLOCKWISE, 256, "IntraNode", scale_dim=32),  # gfx950
     Case(Mode.LOW_LATENCY, DispatchDtype.FP8, CombineDtype.FP8_DIRECT_CAST, 256, "AsyncLL"),
     Case(Mode.LOW_LATENCY, DispatchDtype.MXFP4, CombineDtype.BF16, 256, "AsyncLL"),
     Case(Mode.LOW_LATENCY, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE, 384, "AsyncLL", scale_dim=3),
@@ -632,6 +654,7 @@ def _expert_outputs_shorter_than_the_received_rows(rank: int, world: int) -> Non
                     op.combine(y, out.handle)
             else:
                 assert op.combine(y, out.handle).shape == (2, 256)
+                assert out.num_recv_host() == 0  # MoRI's combine clears its count (v1 and EP v2)
 
 
 @pytest.mark.parametrize(("world", "arch"), [(2, "gfx942"), (4, "gfx950")])

@@ -335,6 +335,7 @@ class EpDispatchCombineOp:
                     acc[t] = _numerics.accumulate(acc[t : t + 1], everyone[pe][0][slot][None], None, cfg.hidden_dim)[0]
         out = self._arena["combine_out"].view(cfg.combine_dtype)[: ct * cfg.hidden_dim].view(ct, cfg.hidden_dim)
         out.copy_(acc)
+        routing.total_recv_token_num.zero_()  # the hip combine kernel clears the count, as v1's does
         return out, None
 
 
