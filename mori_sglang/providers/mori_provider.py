@@ -86,11 +86,12 @@ def receive_cap() -> int:
     return env.get_int("SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS") or 0
 
 
-def capped_recv_tokens(config: EpConfig) -> int:
+def capped_recv_tokens(config: EpConfig, tokens_per_rank: int | None = None) -> int:
     """The rows MoRI's receive buffer holds (its ``MaxNumTokensToRecv``): every rank's share of the cap,
-    rounded up and at most its whole buffer, times the ranks."""
+    rounded up and at most its whole buffer (``tokens_per_rank``, the op's unless MoRI's differs),
+    times the ranks."""
     cap = receive_cap()
-    per_rank = config.max_tokens_per_rank
+    per_rank = tokens_per_rank or config.max_tokens_per_rank
     if cap:
         per_rank = min(-(-cap // config.world_size), per_rank)
     return config.world_size * per_rank

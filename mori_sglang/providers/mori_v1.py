@@ -53,6 +53,9 @@ LAUNCH = {
 FP4_INTRANODE_LAUNCH = {"small": (5, 225), "large": (16, 256)}
 FP4_SMALL_BATCH = 128
 
+# InterNodeV1 hands out send-buffer slots in whole chunks of this many tokens, in arrival order.
+INTERNODE_CHUNK = 64
+
 # Combine quantization each kernel runs (MoRI raises at the first combine otherwise).
 BLOCKWISE_KERNELS = {"fp8_blockwise": ("IntraNode", "AsyncLL"), "fp4_blockwise": ("IntraNode",)}
 
@@ -66,6 +69,17 @@ def kernel_type_name(config: EpConfig) -> str:
     if config.world_size <= GPUS_PER_NODE:
         return "IntraNode"
     return "InterNodeV1"
+
+
+def mori_tokens_per_rank(config: EpConfig, kernel: str) -> int:
+    """MoRI's ``max_num_inp_token_per_rank``: InterNodeV1 lays a node's chunks at ``node * M + slot``
+    with slots taken in whole chunks of 64 in arrival order, so a full chunk can land at
+    ``ceil(M / 64) * 64 - 1``, in the next node's region unless M is a multiple of 64 (EP v2 rounds it
+    up for the same reason): there it is rounded up, elsewhere it is the op's."""
+    tokens = config.max_tokens_per_rank
+    if kernel == "InterNodeV1":
+        return -(-tokens // INTERNODE_CHUNK) * INTERNODE_CHUNK
+    return tokens
 
 
 def launch_geometry(config: EpConfig, kernel: str, compute_units: int | None) -> tuple[int, int, int]:
@@ -99,7 +113,7 @@ def mori_config_kwargs(
         "scale_dim": layout.scale_stride if layout.scale_bytes else 0,
         "scale_type_size": 1 if layout.scale_bytes else 0,
         "max_token_type_size": max(torch.bfloat16.itemsize, payload_dtype.itemsize),
-        "max_num_inp_token_per_rank": config.max_tokens_per_rank,
+        "max_num_inp_token_per_rank": mori_tokens_per_rank(config, kernel),
         "num_experts_per_rank": config.num_local_experts,
         "num_experts_per_token": config.topk,
         "warp_num_per_block": warps,
@@ -154,15 +168,19 @@ def check_receive_cap(config: EpConfig, kernel: str) -> None:
         )
 
 
-def check_token_index_range(config: EpConfig) -> None:
+def check_token_index_range(config: EpConfig, kernel: str) -> None:
     """A buffer whose flat token indices pass int32 would wrap them inside MoRI's kernels (tokens sent
-    to the wrong rows): refused when the op is built, naming the knob and the largest value that fits."""
+    to the wrong rows): refused when the op is built, naming the knob and the largest value that fits
+    (on InterNodeV1, after MoRI's buffer is rounded up to whole chunks)."""
     world = config.world_size
-    if world * world * config.max_tokens_per_rank > INT32_MAX:
+    largest = INT32_MAX // (world * world)
+    if kernel == "InterNodeV1":
+        largest = largest // INTERNODE_CHUNK * INTERNODE_CHUNK
+    if config.max_tokens_per_rank > largest:
         raise ConfigError(
             f"SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK={config.max_tokens_per_rank} is too large for native "
-            f"MoRI v1 on {world} ranks: it indexes tokens in int32 ({world} x {world} x tokens per rank must stay "
-            f"below 2^31); at most {INT32_MAX // (world * world)} here"
+            f"MoRI v1's {kernel} kernel on {world} ranks: it indexes tokens in int32 ({world} x {world} x tokens per "
+            f"rank must stay below 2^31); at most {largest} here"
         )
 
 
@@ -190,7 +208,8 @@ class MoriV1Provider(MoriProvider):
         self.kernel = kernel_type_name(config)
         check_combine_quantization(config, self.kernel)
         check_receive_cap(config, self.kernel)
-        check_token_index_range(config)
+        check_token_index_range(config, self.kernel)
+        self._max_recv_tokens = capped_recv_tokens(config, mori_tokens_per_rank(config, self.kernel))
         init_shmem(setup.cpu_group or group or dist.group.WORLD)
         kwargs = mori_config_kwargs(config, layout, self.token_dtype, setup.payload_dtype, _compute_units(device))
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)

@@ -21,7 +21,7 @@ from mori_sglang import formats, providers
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
-from mori_sglang.providers import mori_ids, mori_provider
+from mori_sglang.providers import mori_ids, mori_provider, mori_v1
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, uses_ep_v2
 from mori_sglang.providers.mori_v1 import (
@@ -245,25 +245,44 @@ def test_a_receive_cap_intranode_does_not_check_is_refused(
 
 
 @pytest.mark.parametrize(
-    ("world", "tokens", "refused"),
+    ("world", "tokens", "kernel", "refused"),
     [
-        (8, 1 << 20, False),  # the largest buffer EpConfig takes, on one host
-        (64, 524_287, False),
-        (64, 524_288, True),  # 64 x 64 x 2^19 = 2^31: MoRI's "no token" index wraps
-        (128, 131_071, False),
-        (128, 131_072, True),
+        (8, 1 << 20, "IntraNode", False),  # the largest buffer EpConfig takes, on one host
+        (64, 524_287, "AsyncLL", False),
+        (64, 524_288, "AsyncLL", True),  # 64 x 64 x 2^19 = 2^31: MoRI's "no token" index wraps
+        (64, 524_224, "InterNodeV1", False),
+        (64, 524_225, "InterNodeV1", True),  # MoRI's buffer, rounded up to whole chunks of 64, is 2^19
+        (128, 131_071, "AsyncLL", False),
+        (128, 131_072, "AsyncLL", True),
     ],
 )
-def test_a_buffer_past_moris_int32_token_index_is_refused(world: int, tokens: int, refused: bool) -> None:
+def test_a_buffer_past_moris_int32_token_index_is_refused(world: int, tokens: int, kernel: str, refused: bool) -> None:
     cfg = EpConfig(world, 0, 7168, 256, 8, max_tokens_per_rank=tokens)
     if refused:
-        largest = (2**31 - 1) // (world * world)
-        with pytest.raises(
-            ConfigError, match=rf"SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK={tokens} .* at most {largest} here"
-        ):
-            check_token_index_range(cfg)
+        chunk = 64 if kernel == "InterNodeV1" else 1
+        largest = (2**31 - 1) // (world * world) // chunk * chunk
+        refusal = rf"SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK={tokens} .*{kernel}.* at most {largest} here"
+        with pytest.raises(ConfigError, match=refusal):
+            check_token_index_range(cfg, kernel)
     else:
-        check_token_index_range(cfg)
+        check_token_index_range(cfg, kernel)
+
+
+@pytest.mark.parametrize(("tokens", "mori_tokens"), [(100, 128), (128, 128), (4096, 4096), (1, 64)])
+def test_internode_v1_gets_a_buffer_of_whole_64_token_chunks(
+    monkeypatch: pytest.MonkeyPatch, tokens: int, mori_tokens: int
+) -> None:
+    """InterNodeV1 takes send slots in whole chunks of 64 in arrival order: a buffer of 100 tokens per
+    rank would let a full chunk land in the next node's rows, so MoRI gets 128 and the op's receive
+    capacity is MoRI's; IntraNode keeps the op's size."""
+    cfg = EpConfig(16, 0, 7168, 256, 8, max_tokens_per_rank=tokens)
+    layout = formats.DispatchRowLayout(formats.dispatch_token_bytes(DispatchDtype.BF16, 7168), 0, 8)
+    assert kernel_type_name(cfg) == "InterNodeV1"
+    assert mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16)["max_num_inp_token_per_rank"] == mori_tokens
+    monkeypatch.setattr(mori_provider, "GPUS_PER_NODE", 16)
+    monkeypatch.setattr(mori_v1, "GPUS_PER_NODE", 16)
+    assert kernel_type_name(cfg) == "IntraNode"
+    assert mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16)["max_num_inp_token_per_rank"] == tokens
 
 
 class _Bootstrapped(Exception):
@@ -606,7 +625,13 @@ def _a_capped_receive(rank: int, world: int) -> None:
         (Mode.INTRANODE, Case(*bf16, "InterNodeV1", one_gpu_hosts=True)),
     ):
         _case_env(case)
-        for cap, per_rank in ((world * 2 - 1, 2), (world * 2, 2), (world * MAX_TOKENS + 5, MAX_TOKENS)):
+        # InterNodeV1's buffer holds whole chunks of 64 tokens per rank: a share past MAX_TOKENS stays.
+        whole = 64 if case.kernel == "InterNodeV1" else MAX_TOKENS
+        for cap, per_rank in (
+            (world * 2 - 1, 2),
+            (world * 2, 2),
+            (world * MAX_TOKENS + 5, min(-(-5 // world) + MAX_TOKENS, whole)),
+        ):
             os.environ["SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS"] = str(cap)
             cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=mode)
             ops = [EpDispatchCombineOp(replace(cfg, provider=p), device="cpu") for p in ("mori", "torch")]
