@@ -33,6 +33,7 @@ from mori_sglang.providers.mori_provider import (
     MoriProvider,
     capped_recv_tokens,
     init_shmem,
+    on_device,
     receive_cap,
 )
 from mori_sglang.types import CombineHandle, DispatchOutput
@@ -210,7 +211,8 @@ class MoriV1Provider(MoriProvider):
         check_receive_cap(config, self.kernel)
         check_token_index_range(config, self.kernel)
         self._max_recv_tokens = capped_recv_tokens(config, mori_tokens_per_rank(config, self.kernel))
-        init_shmem(setup.cpu_group or group or dist.group.WORLD)
+        with on_device(device):
+            init_shmem(setup.cpu_group or group or dist.group.WORLD)
         kwargs = mori_config_kwargs(config, layout, self.token_dtype, setup.payload_dtype, _compute_units(device))
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)
         # Older MoRI releases lack some fields (quant_type, rdma_block_num...): pass what this one has.
@@ -220,9 +222,10 @@ class MoriV1Provider(MoriProvider):
                 f"SGLANG_MORI_COMBINE_DTYPE={config.combine_dtype.value}: this MoRI has no quantized combine; "
                 "use bf16 or upgrade MoRI"
             )
-        self.op = mori.ops.EpDispatchCombineOp(
-            mori.ops.EpDispatchCombineConfig(**{k: v for k, v in kwargs.items() if k in fields})
-        )
+        with on_device(device):
+            self.op = mori.ops.EpDispatchCombineOp(
+                mori.ops.EpDispatchCombineConfig(**{k: v for k, v in kwargs.items() if k in fields})
+            )
         self._split = self.kernel == "AsyncLL"
         self._sent_ids: torch.Tensor | None = None
         self._dispatched: tuple | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from mori_sglang import formats, wire_formats
 from mori_sglang.config import EpConfig
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
-from mori_sglang.providers.mori_provider import MoriProvider, receive_cap
+from mori_sglang.providers.mori_provider import MoriProvider, on_device, receive_cap
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 KERNEL_BACKEND = "hip"
@@ -72,12 +73,25 @@ class MoriV2Provider(MoriProvider):
         group = group or dist.group.WORLD
         unique_id = [Communicator.get_unique_id() if config.rank == 0 else None]
         dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group)
-        self.comm = Communicator.init(
-            config.world_size, config.rank, unique_id[0], per_rank_vmm=window_bytes(config, layout)
-        )
+        self.device = setup.device
+        with on_device(setup.device):
+            self.comm = Communicator.init(
+                config.world_size, config.rank, unique_id[0], per_rank_vmm=window_bytes(config, layout)
+            )
+            try:
+                self.op = self._build_op(v2, config, layout)
+            except BaseException:
+                self.comm.destroy()  # the window was reserved; nothing else will release it
+                raise
+        self.comm.barrier()
+        self._dispatched: tuple | None = None
+        self._combined: torch.Tensor | None = None
+
+    def _build_op(self, v2: ModuleType, config: EpConfig, layout: formats.DispatchRowLayout) -> object:
+        """The EP v2 op on the hip backend, over this provider's communicator."""
         scale_dim, scale_type_size = scale_row(config, layout)
         asymmetric = self.token_dtype != torch.bfloat16
-        self.op = v2.EpDispatchCombineOp(
+        return v2.EpDispatchCombineOp(
             v2.EpDispatchCombineConfig(
                 rank=config.rank,
                 world_size=config.world_size,
@@ -97,12 +111,14 @@ class MoriV2Provider(MoriProvider):
             ),
             self.comm,
         )
-        self.comm.barrier()
-        self._dispatched: tuple | None = None
-        self._combined: torch.Tensor | None = None
 
     def close(self) -> None:
-        """Free the op's symmetric window, then the communicator (collective, like building them)."""
+        """Free the op's symmetric window, then the communicator (collective, like building them). This
+        rank's kernels end and every rank meets first: a peer's combine may still be gathering rows
+        from this rank's window."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.comm.barrier()
         self.op.close()
         self.comm.destroy()
 

@@ -31,7 +31,7 @@ from mori_sglang.providers.mori_v1 import (
     kernel_type_name,
     mori_config_kwargs,
 )
-from mori_sglang.providers.mori_v2 import scale_row
+from mori_sglang.providers.mori_v2 import MoriV2Provider, scale_row
 from mori_sglang.types import InputError
 from tests.helpers import make_topk_ids, run_gloo
 
@@ -309,6 +309,18 @@ def test_mori_shmem_bootstraps_over_the_callers_cpu_group(fake_mori: None, monke
         with pytest.raises(_Bootstrapped):
             EpDispatchCombineOp(cfg, device_group, device="cpu", **kwargs)
         assert handed.pop() is want
+
+
+def test_closing_ep_v2_meets_every_rank_before_freeing_the_window() -> None:
+    """MoRI releases the window without a synchronisation: a peer's combine may still gather from it,
+    so the provider waits for its kernels and meets every rank before the op and communicator go."""
+    calls: list[str] = []
+    provider = object.__new__(MoriV2Provider)
+    provider.device = torch.device("cpu")
+    provider.comm = SimpleNamespace(barrier=lambda: calls.append("barrier"), destroy=lambda: calls.append("destroy"))
+    provider.op = SimpleNamespace(close=lambda: calls.append("close"))
+    provider.close()
+    assert calls == ["barrier", "close", "destroy"]
 
 
 @pytest.mark.parametrize("gpu_fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn])
