@@ -251,13 +251,16 @@ def dtypes_from_env(
 ) -> tuple[DispatchDtype, CombineDtype]:
     """Dispatch and combine dtypes with SGLang's rules: the weight dtype picks, the env overrides.
 
-    fp4 weights -> fp4 dispatch + fp8 combine; fp8 weights -> fp8 dispatch + bf16 combine; else bf16.
-    The deprecated booleans count only where the new variable is unset.
+    fp4 weights -> fp4 dispatch, and a bf16 combine under SGLang's EP v2 dispatcher (SGLANG_MORI_EP_V2,
+    on by default) or an fp8 one under its v1 dispatcher; fp8 weights -> fp8 dispatch + bf16 combine;
+    else bf16. The deprecated booleans count only where the new variable is unset.
     """
     dispatch = DispatchDtype.BF16
     combine = CombineDtype.BF16
     if weight_dtype == torch.float4_e2m1fn_x2:
-        dispatch, combine = DispatchDtype.MXFP4, CombineDtype.FP8_BLOCKWISE
+        dispatch = DispatchDtype.MXFP4
+        if not env.get_bool("SGLANG_MORI_EP_V2", environ):
+            combine = CombineDtype.FP8_BLOCKWISE
     elif weight_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         dispatch = DispatchDtype.FP8
 

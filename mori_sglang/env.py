@@ -79,8 +79,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLANG_MORI_COMBINE_DTYPE",
         "auto",
         "Combine payload. fp8 is blockwise FP8 (one f32 scale per block); fp8_direct_cast is a plain "
-        "saturating cast; fp4 is blockwise FP4 (native MoRI on gfx950 only). auto: fp8 for fp4 weights, "
-        "else bf16.",
+        "saturating cast; fp4 is blockwise FP4 (native MoRI on gfx950 only). auto: bf16, except fp8 for fp4 "
+        "weights with SGLANG_MORI_EP_V2=0 (as SGLang's v1 dispatcher; its EP v2 one combines in bf16).",
         ("auto", *COMBINE_ENV_NAMES),
     ),
     EnvVar(
@@ -126,12 +126,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "SGLANG_MORI_EP_V2",
         "1",
-        "Native MoRI only: 1 runs the intranode mode with a bf16 combine within one host on MoRI's EP v2 "
-        "(mori.ops.dispatch_combine_v2, its hip backend); the low-latency and split modes (AsyncLL), "
-        "quantized combines and groups across hosts stay on v1. 0: v1 everywhere. SGLang's launcher sets it "
-        "(False) where its own EP v2 checks fail.",
+        "SGLang's MoRI dispatcher version. Native MoRI: 1 runs the intranode mode with a bf16 combine within "
+        "one host on MoRI's EP v2 (mori.ops.dispatch_combine_v2, its hip backend); the low-latency and split "
+        "modes (AsyncLL), quantized combines and groups across hosts stay on v1. 0: v1 everywhere. Every "
+        "provider: the combine default for fp4 weights follows it as SGLang's does (bf16 under EP v2, fp8 "
+        "under v1). "
+        "SGLang's launcher sets it (False) where its own EP v2 checks fail.",
         kind="bool",
-        providers=("mori",),
         others_set_it=True,
     ),
     EnvVar(

@@ -45,7 +45,7 @@ def from_env(environ: dict[str, str], **kwargs: object) -> EpConfig:
         (torch.bfloat16, DispatchDtype.BF16, CombineDtype.BF16),
         (torch.float8_e4m3fn, DispatchDtype.FP8, CombineDtype.BF16),
         (torch.float8_e4m3fnuz, DispatchDtype.FP8, CombineDtype.BF16),
-        (FP4, DispatchDtype.MXFP4, CombineDtype.FP8_BLOCKWISE),
+        (FP4, DispatchDtype.MXFP4, CombineDtype.BF16),
     ],
 )
 def test_auto_follows_the_weight_dtype(
@@ -54,6 +54,15 @@ def test_auto_follows_the_weight_dtype(
     assert dtypes_from_env(weights, {}) == (dispatch, combine)
     auto = {"SGLANG_MORI_DISPATCH_DTYPE": "auto", "SGLANG_MORI_COMBINE_DTYPE": "auto"}
     assert dtypes_from_env(weights, auto) == (dispatch, combine)
+
+
+@pytest.mark.parametrize(("ep_v2", "combine"), [("1", CombineDtype.BF16), ("0", CombineDtype.FP8_BLOCKWISE)])
+def test_fp4_weights_combine_as_sglangs_dispatcher_of_that_ep_version_does(ep_v2: str, combine: CombineDtype) -> None:
+    """SGLang's EP v2 dispatcher (the default) combines in bf16 whatever the weights; its v1 one in fp8
+    for fp4 weights. A combine the user sets wins either way."""
+    assert dtypes_from_env(FP4, {"SGLANG_MORI_EP_V2": ep_v2}) == (DispatchDtype.MXFP4, combine)
+    chosen = {"SGLANG_MORI_EP_V2": ep_v2, "SGLANG_MORI_COMBINE_DTYPE": "fp8_direct_cast"}
+    assert dtypes_from_env(FP4, chosen)[1] is CombineDtype.FP8_DIRECT_CAST
 
 
 @pytest.mark.parametrize(
@@ -243,7 +252,7 @@ def test_bad_integer_names_the_variable(name: str, value: str) -> None:
 
 
 def test_weight_dtype_and_overrides() -> None:
-    cfg = from_env({}, weight_dtype=FP4, max_tokens_per_rank=17, rank=0)
+    cfg = from_env({"SGLANG_MORI_EP_V2": "0"}, weight_dtype=FP4, max_tokens_per_rank=17, rank=0)
     assert cfg.dispatch_dtype is DispatchDtype.MXFP4 and cfg.combine_dtype is CombineDtype.FP8_BLOCKWISE
     assert cfg.max_tokens_per_rank == 17 and cfg.rank == 0
 

@@ -243,8 +243,8 @@ class MoriSglangDispatcher(BaseDispatcher):
         return self._configs[mode]
 
     def set_quant_config(self, quant_config: dict) -> None:
-        """The MoE weight dtype picks the dtypes (fp8 weights: fp8 dispatch; fp4 weights: fp4 dispatch
-        and fp8 combine), the env overrides them. The ops are built here, while the model loads,
+        """The MoE weight dtype picks the dtypes (``config.dtypes_from_env``: fp8 weights, fp8 dispatch;
+        fp4 weights, fp4 dispatch), the env overrides them. The ops are built here, while the model loads,
         rather than on the first batch, which may already run under CUDA graph capture."""
         super().set_quant_config(quant_config)
         self._weight_dtype = quant_config.get("weight_dtype")
