@@ -119,8 +119,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLANG_MORI_BACKEND",
         "auto",
         "Provider: mori (the native MoRI library's HIP kernels), triton (our kernels over symmetric memory), "
-        "torch (torch.distributed all_to_all). auto: mori on a GPU where `import mori` works, else triton on "
-        "a GPU when the ranks run on one host, else torch; triton across hosts is refused.",
+        "torch (torch.distributed all_to_all). auto: mori on an AMD GPU (ROCm torch) where `import mori` works, "
+        "else triton on a GPU when the ranks run on one host, else torch; triton across hosts is refused.",
         ("auto", "mori", "triton", "torch"),
     ),
     EnvVar(

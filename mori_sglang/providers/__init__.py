@@ -16,6 +16,12 @@ def mori_available() -> bool:
     return importlib.util.find_spec("mori") is not None
 
 
+def rocm_build() -> bool:
+    """Whether this torch is a ROCm build: native MoRI's kernels are built for AMD GPUs only, and an
+    ``amd-mori`` package importable beside a CUDA build of torch cannot run them."""
+    return torch.version.hip is not None
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -36,13 +42,13 @@ def resolve_provider(
     real_ranks: bool = True,
     hosts: Callable[[], int] = lambda: 1,
 ) -> Provider:
-    """auto: native MoRI on a GPU where it imports (AMD) and the ranks are real processes, else our
+    """auto: native MoRI on an AMD GPU (a ROCm torch) where it imports and the ranks are real processes, else our
     Triton kernels on a GPU within one host, else torch.distributed. ROCm builds of torch name their
     GPUs "cuda" too. ``hosts``: how many hosts the real ranks span, asked only where the Triton kernels
     would run across them (their arenas are one host's symmetric memory)."""
     triton_on_gpu = device.type == "cuda" and triton_available()
     if requested is Provider.AUTO:
-        if device.type == "cuda" and real_ranks and mori_available():
+        if device.type == "cuda" and rocm_build() and real_ranks and mori_available():
             return Provider.MORI
         if triton_on_gpu and (not real_ranks or hosts() == 1):
             return Provider.TRITON
@@ -57,6 +63,11 @@ def resolve_provider(
         raise ConfigError(
             f"SGLANG_MORI_BACKEND=triton runs within one host (the arenas are one host's symmetric memory), "
             f"and these ranks span {count} hosts; use auto or torch (torch.distributed) across hosts"
+        )
+    if requested is Provider.MORI and device.type == "cuda" and not rocm_build():
+        raise ConfigError(
+            "SGLANG_MORI_BACKEND=mori needs an AMD GPU: native MoRI's kernels are built for ROCm, and this torch "
+            f"is a CUDA build ({torch.version.cuda}); use auto, triton or torch"
         )
     if requested is Provider.MORI and not mori_available():
         raise ConfigError(

@@ -50,6 +50,7 @@ def fake_mori(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_auto_picks_native_mori_on_a_gpu_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(providers, "mori_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
     assert providers.resolve_provider(Provider.AUTO, torch.device("cuda", 0)) is Provider.MORI
     assert providers.resolve_provider(Provider.AUTO, torch.device("cpu")) is Provider.TORCH
     monkeypatch.setattr(providers, "mori_available", lambda: False)
@@ -175,6 +176,17 @@ def test_v2_takes_the_callers_scale_row_as_sglang_states_it(
     assert scale_row(cfg, layout) == row
     custom = formats.DispatchRowLayout(formats.dispatch_token_bytes(dispatch, hidden), 36, 8)
     assert scale_row(replace(cfg, scale_bytes=36), custom) in ((9, 4), (36, 1))
+
+
+def test_native_mori_is_never_picked_beside_a_cuda_build_of_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An amd-mori package that imports on an NVIDIA machine cannot run its kernels: auto passes it by,
+    and asking for it names the build."""
+    monkeypatch.setattr(providers, "mori_available", lambda: True)
+    monkeypatch.setattr(providers, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert providers.resolve_provider(Provider.AUTO, torch.device("cuda", 0)) is Provider.TRITON
+    with pytest.raises(ConfigError, match=r"SGLANG_MORI_BACKEND=mori needs an AMD GPU.*CUDA build"):
+        providers.resolve_provider(Provider.MORI, torch.device("cuda", 0))
 
 
 def test_a_loopback_world_refuses_native_mori(monkeypatch: pytest.MonkeyPatch) -> None:
