@@ -159,7 +159,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "1",
         "SGLang only: 1, without two-batch overlap, hands the experts only SGLang's bound on the rows a "
         "dispatch can have received (the output's recv_cap); 0: the whole receive buffer. Upstream's "
-        "default is 0 (AITER keeps its own view); on NVIDIA the Triton experts' work grows with the rows.",
+        "default is 0 (AITER keeps its own view); on NVIDIA the Triton experts' work grows with the rows. "
+        "Unset, the launch writes 1, so SGLang's attention-DP bookkeeping, which reads it too, agrees.",
         kind="bool",
     ),
     EnvVar(

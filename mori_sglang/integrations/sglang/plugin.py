@@ -14,7 +14,8 @@ registered with its ``HookRegistry``. ``register`` adds:
 - a wrapper around the ``handle_a2a_moe`` resolution step: SGLang's checks run first (the chunked
   prefill size against ``SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK`` among them), then, when the
   backend is mori, every variable we read is parsed and the MoE runner backend is checked, so a bad
-  value stops the launch with its name instead of failing later in a worker.
+  value stops the launch with its name instead of failing later in a worker; and an unset
+  ``SGLANG_MORI_RECV_BOUND`` is written with our default, which SGLang's own reading then shares.
 """
 
 from __future__ import annotations
@@ -104,11 +105,22 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
     if not runners:
         return
     env.check_all()  # every variable, before any model loads
+    share_recv_bound_default()
     if aiter_runs_experts():
         return
     for flag, runner_backend in runners.items():
         check_runner_backend(runner_backend, flag)
     check_fused_function_runs(view)
+
+
+def share_recv_bound_default() -> None:
+    """Where ``SGLANG_MORI_RECV_BOUND`` is unset, write our default (on) for the servers' processes:
+    SGLang reads the same variable with its own default (off) to decide whether attention-DP ranks
+    share their token counts and capture graphs for one bucket, and without those counts the
+    dispatcher's bound is unproven and the experts get the whole receive buffer. SGLang's launcher
+    writes ``SGLANG_MORI_EP_V2`` the same way."""
+    if not env.is_set("SGLANG_MORI_RECV_BOUND"):
+        os.environ["SGLANG_MORI_RECV_BOUND"] = env.ENV_BY_NAME["SGLANG_MORI_RECV_BOUND"].default
 
 
 def check_fused_function_runs(view: Any, environ: Mapping[str, str] | None = None) -> None:

@@ -929,6 +929,32 @@ def test_upstreams_manual_recv_cap_is_checked_and_said_not_to_apply(
     assert len(warnings) == 1
 
 
+@pytest.mark.parametrize("user_value", [None, "0", "1"])
+def test_the_launch_shares_the_receive_bound_default_with_sglang(
+    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch, user_value: str | None
+) -> None:
+    """SGLang reads SGLANG_MORI_RECV_BOUND with its own default (off) to share attention-DP token
+    counts, which the bound needs under CUDA graphs: unset, the launch writes ours (on) for every
+    process, so both read one value; a value the user set is kept."""
+    from types import SimpleNamespace
+
+    from sglang.srt import environ as sglang_environ
+    from sglang.srt.arg_groups import overrides
+
+    if user_value is None:
+        clean_env.delenv("SGLANG_MORI_RECV_BOUND")
+    else:
+        clean_env.setenv("SGLANG_MORI_RECV_BOUND", user_value)
+    assert sglang_environ.envs.SGLANG_MORI_RECV_BOUND.get() is (user_value == "1")
+    monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
+    view = SimpleNamespace(moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None)
+    monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
+    plugin.check_env_at_launch(object(), lambda server_args: None)
+    want = user_value != "0"
+    assert sglang_environ.envs.SGLANG_MORI_RECV_BOUND.get() is want
+    assert env.get_bool("SGLANG_MORI_RECV_BOUND") is want
+
+
 def test_launch_checks_cover_drafts_lora_and_the_fused_function_switch(
     monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch
 ) -> None:
