@@ -18,7 +18,7 @@ from vllm.utils import deep_gemm
 
 from mori_sglang import formats
 from mori_sglang.config import DispatchDtype
-from mori_sglang.wire_formats import FP8_BLOCK
+from mori_sglang.wire_formats import DISPATCH_BY_NAME, FP8_BLOCK
 
 
 def expert_format(
@@ -47,13 +47,19 @@ def expert_format(
     return None
 
 
-def _typed(payload: torch.Tensor, scales: torch.Tensor, fmt: DispatchDtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _typed(
+    payload: torch.Tensor, scales: torch.Tensor, fmt: DispatchDtype, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A quantized payload and its scale rows (any dtype, whole rows) typed the way the experts take them.
 
-    fp8: e4m3 ``[N, H]`` + f32 ``[N, H/128]``; fp4: ``float4_e2m1fn_x2`` ``[N, H/2]`` +
-    ``float8_e8m0fnu`` ``[N, H/32]``; mxfp8 keeps its uint8 e8m0 bytes (it only reaches the dequantizer).
+    fp8: e4m3 ``[N, H]`` + f32 ``[N, ceil(H/128)]``; fp4: ``float4_e2m1fn_x2`` ``[N, H/2]`` +
+    ``float8_e8m0fnu`` ``[N, ceil(H/32)]``; mxfp8 keeps its uint8 e8m0 bytes (it only reaches the
+    dequantizer). A scale row is padded to whole dwords (92 B for the 90 e8m0 scales at hidden 2880), and
+    the received rows sit at the receive buffer's row stride: the experts get the format's own scales, in
+    the dense ``[N, scales]`` layout vLLM's and AITER's quantizers make, not the padding as extra scales.
     """
-    raw = scales.contiguous().view(torch.uint8)
+    width = formats.dispatch_scale_groups(fmt, hidden) * DISPATCH_BY_NAME[fmt.value].scale_bytes
+    raw = scales.view(torch.uint8)[:, :width].contiguous()
     if fmt is DispatchDtype.FP8:
         return payload, raw.view(torch.float32)
     if fmt is DispatchDtype.MXFP4:
@@ -96,8 +102,8 @@ class ActivationPlan:
         else:
             assert scales is not None, "a quantized wire format always carries scale rows"
             if self.passthrough:
-                return _typed(payload, scales, self.wire)
-            wire_payload, wire_scales = _typed(payload, scales, self.wire)
+                return _typed(payload, scales, self.wire, self.hidden)
+            wire_payload, wire_scales = _typed(payload, scales, self.wire, self.hidden)
             values = formats.dequantize_dispatch(wire_payload, wire_scales, self.wire, self.hidden)
         vllm_quantizes = self.target is None or (
             self.target is DispatchDtype.BF16 and self.quant_config.quant_dtype is not None
@@ -109,7 +115,7 @@ class ActivationPlan:
         if self.target is not None:
             q, q_scales = formats.quantize_dispatch(values, self.target, self.fp8_dtype)
             assert q_scales is not None, "quantized formats always have scales"
-            return _typed(q, q_scales, self.target)
+            return _typed(q, q_scales, self.target, self.hidden)
         qc = self.quant_config
         return moe_kernel_quantize_input(
             values.to(self.in_dtype),

@@ -40,8 +40,13 @@ def wire_weight_dtype(quant_dtype: torch.dtype | str, scale_dim: int, hidden: in
     vLLM asks for packed fp4 (MXFP4 experts), fp8 with a scale per 128 elements (block-quantized
     experts), one scale per token (per-token or per-tensor fp8, mxfp8: ``quant_dtype`` may be a string)
     or unquantized tokens. Only the first two are wire formats of ours; the others travel as bf16 and
-    vLLM's quantizer runs on arrival, so no token is quantized twice. So do block-fp8 tokens where
-    vLLM's DeepGEMM takes power-of-two (UE8M0) activation scales: it would round the wire's.
+    vLLM's quantizer runs once, on arrival. So do block-fp8 tokens where vLLM's DeepGEMM takes
+    power-of-two (UE8M0) activation scales: it would round the wire's.
+
+    vLLM asks by the layer's quant config alone: the keywords do not say whether the experts quantize
+    their own inputs (``expects_unquantized_inputs``), as FlashInfer's CUTLASS block-fp8 experts do. For
+    those, vLLM still asks for block fp8, so their tokens are quantized on the wire, dequantized on arrival
+    and quantized again by the experts; ``SGLANG_MORI_DISPATCH_DTYPE=bf16`` sends them unquantized.
     """
     if quant_dtype == torch.float4_e2m1fn_x2:
         return quant_dtype

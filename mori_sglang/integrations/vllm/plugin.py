@@ -10,7 +10,8 @@ reaches their objects through names it looks up when it needs them:
 - ``FusedMoEConfig.__post_init__`` refuses the MoRI names unless AITER's fused experts run, because native
   MoRI hands the experts a token count only AITER reads.
 
-``register`` rebinds the first two to ours and lets any experts pass the third. Other backends and vLLM's
+``register`` rebinds the first two to ours and lets any experts pass the third, which also refuses, as each
+MoE layer is built, an expert count the expert-parallel ranks do not divide. Other backends and vLLM's
 selection logic are untouched. vLLM calls it in every process, possibly more than once: it is idempotent.
 ``VLLM_PLUGINS`` (a list of plugin names that leaves out ``mori_sglang``) turns it off.
 """
@@ -36,12 +37,33 @@ PATCHED = "__mori_sglang_patched__"
 NEUTRAL_BACKEND = "allgather_reducescatter"
 
 
+def check_even_experts(moe: FusedMoEConfig) -> None:
+    """Refuse a layer whose experts the expert-parallel ranks do not divide, where our op dispatches.
+
+    The op routes expert ``e`` to rank ``e // (num_experts / ep_size)``, while vLLM gives the first
+    ``num_experts % ep_size`` ranks one expert more (``determine_expert_map``), and ``get_handle`` only sees
+    ``num_experts // ep_size`` local experts: such a layer would send tokens to ranks that lack their
+    expert, silently, and fail on the last ids. ``FusedMoEConfig`` is built with the model, before any
+    weight loads, and holds the layer's global expert count (redundant EPLB experts included).
+    """
+    parallel = moe.moe_parallel_config
+    if not parallel.use_mori_kernels or moe.num_experts % parallel.ep_size == 0:
+        return
+    raise ValueError(
+        f"--all2all-backend {parallel.all2all_backend} (mori-sglang) needs an expert count the expert-parallel "
+        f"ranks divide: this MoE layer has {moe.num_experts} experts over {parallel.ep_size} ranks, which vLLM "
+        f"splits unevenly; serve on a number of GPUs (--data-parallel-size x --tensor-parallel-size) that "
+        f"divides {moe.num_experts}, or pick another --all2all-backend"
+    )
+
+
 def any_experts_for_mori(post_init: Callable[[FusedMoEConfig], None]) -> Callable[[FusedMoEConfig], None]:
     """Wrap ``FusedMoEConfig.__post_init__`` so that the MoRI names accept any experts.
 
     The AITER assertion reads the backend name from ``moe_parallel_config``; the original runs while that
     field names vLLM's default backend, then the real one is put back. AITER's fused shared experts stay
-    refused, as upstream: they add top-k slots past the routed experts, which no rank owns.
+    refused, as upstream: they add top-k slots past the routed experts, which no rank owns. Experts the
+    expert-parallel ranks do not divide are refused too (``check_even_experts``).
     """
 
     @functools.wraps(post_init)
@@ -60,6 +82,7 @@ def any_experts_for_mori(post_init: Callable[[FusedMoEConfig], None]) -> Callabl
                 f"--all2all-backend {parallel.all2all_backend} does not support AITER's fused shared experts; "
                 "set VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0"
             )
+        check_even_experts(self)
 
     setattr(wrapped, PATCHED, True)
     return wrapped

@@ -100,12 +100,13 @@ def test_vllm_plugins_allowlist_leaves_vllm_alone(vllm_restored: None, monkeypat
     assert getattr(all2all_utils, "MoriPrepareAndFinalize", None) is not MoriSglangPrepareAndFinalize
 
 
-def _moe_config(backend: str) -> moe_cfg.FusedMoEConfig:
+def _moe_config(backend: str, num_experts: int = 8, ep_size: int = 2) -> moe_cfg.FusedMoEConfig:
+    """A layer's MoE config as vLLM builds it with data parallel ``ep_size`` and expert parallelism."""
     parallel = moe_cfg.FusedMoEParallelConfig(
         tp_size=1,
         pcp_size=1,
-        dp_size=2,
-        ep_size=2,
+        dp_size=ep_size,
+        ep_size=ep_size,
         tp_rank=0,
         pcp_rank=0,
         dp_rank=0,
@@ -116,12 +117,12 @@ def _moe_config(backend: str) -> moe_cfg.FusedMoEConfig:
         enable_eplb=False,
     )
     return moe_cfg.FusedMoEConfig(
-        num_experts=8,
+        num_experts=num_experts,
         experts_per_token=2,
         hidden_dim=HIDDEN,
         intermediate_size=64,
-        num_local_experts=4,
-        num_logical_experts=8,
+        num_local_experts=num_experts // ep_size,
+        num_logical_experts=num_experts,
         activation=MoEActivation.SILU,
         device="cpu",
         routing_method=moe_cfg.RoutingMethodType.Default,
@@ -138,6 +139,23 @@ def test_mori_names_accept_any_experts(vllm_restored: None, backend: str) -> Non
     moe = _moe_config(backend)
     assert moe.moe_parallel_config.all2all_backend == backend and moe.use_mori_kernels
     assert _moe_config("allgather_reducescatter").moe_parallel_config.all2all_backend == "allgather_reducescatter"
+
+
+@pytest.mark.parametrize("backend", ["mori_high_throughput", "mori_low_latency"])
+def test_experts_the_ranks_do_not_divide_are_refused(vllm_restored: None, backend: str) -> None:
+    """128 experts on 6 GPUs: vLLM gives ranks 0 and 1 22 experts and the others 21, while the op routes by
+    expert // 21 (the local count vLLM hands ``get_handle``); the layer is refused when it is built."""
+    plugin.register()
+    message = (
+        f"--all2all-backend {backend} (mori-sglang) needs an expert count the expert-parallel ranks divide: this "
+        "MoE layer has 128 experts over 6 ranks, which vLLM splits unevenly; serve on a number of GPUs "
+        "(--data-parallel-size x --tensor-parallel-size) that divides 128, or pick another --all2all-backend"
+    )
+    with pytest.raises(ValueError) as refused:
+        _moe_config(backend, num_experts=128, ep_size=6)
+    assert str(refused.value) == message
+    assert _moe_config(backend, num_experts=128, ep_size=8).num_local_experts == 16
+    assert _moe_config("allgather_reducescatter", num_experts=128, ep_size=6).num_experts == 128  # vLLM's own
 
 
 def test_aiter_fused_shared_experts_stay_refused(vllm_restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +198,7 @@ def handle_kwargs(quant_dtype: torch.dtype | str, scale_dim: int, **over: object
         (torch.float8_e4m3fnuz, 56, DispatchDtype.FP8, CombineDtype.BF16),
         (FP8, 1, DispatchDtype.BF16, CombineDtype.BF16),  # per-token / per-tensor: vLLM quantizes on arrival
         ("mxfp8", 1, DispatchDtype.BF16, CombineDtype.BF16),
-        (torch.float4_e2m1fn_x2, 224, DispatchDtype.MXFP4, CombineDtype.FP8_BLOCKWISE),  # SGLang's fp4 rule
+        (torch.float4_e2m1fn_x2, 224, DispatchDtype.MXFP4, CombineDtype.BF16),  # SGLang's fp4 rule (EP v2)
     ],
 )
 def test_handle_keywords_pick_the_wire_format(
@@ -191,6 +209,10 @@ def test_handle_keywords_pick_the_wire_format(
         assert (cfg.dispatch_dtype, cfg.combine_dtype, cfg.mode) == (dispatch, combine, mode)
         assert (cfg.world_size, cfg.rank, cfg.hidden, cfg.num_experts, cfg.topk) == (4, 1, 7168, 256, 8)
         assert cfg.max_tokens_per_rank == 8192 and cfg.provider is Provider.AUTO
+    # SGLang's v1 dispatcher combines fp4-weight layers in blockwise fp8; the others keep their combine
+    v1 = ep_config_from_vllm("mori_high_throughput", handle_kwargs(quant_dtype, scale_dim), {"SGLANG_MORI_EP_V2": "0"})
+    fp4 = quant_dtype == torch.float4_e2m1fn_x2
+    assert (v1.dispatch_dtype, v1.combine_dtype) == (dispatch, CombineDtype.FP8_BLOCKWISE if fp4 else combine)
 
 
 def test_environment_has_sglang_meaning() -> None:
@@ -296,6 +318,32 @@ def test_matching_wire_rows_reach_the_experts_untouched(wire: DispatchDtype, see
         assert a1q.dtype == torch.float4_e2m1fn_x2 and a1q.shape == (5, HIDDEN // 2)
         assert a1q_scale.dtype == torch.float8_e8m0fnu and a1q_scale.shape == (5, HIDDEN // 32)
     assert torch.equal(a1q_scale.contiguous().view(torch.uint8), scales)
+
+
+def test_experts_get_the_formats_scales_without_the_rows_padding(seed: int) -> None:
+    """At hidden 2880 an MXFP4 scale row holds 90 e8m0 scales and two pad bytes (whole dwords), and the
+    received rows sit at the receive buffer's 128 B stride: the experts get ``[N, 90]`` dense, as AITER's
+    own quantizer makes them, whether the wire's rows pass through or the wire-format quantizer rebuilds them."""
+    hidden, rows = 2880, 5
+    x = make_tokens("lognormal", rows, hidden, generator(seed))
+    payload, row = formats.quantize_dispatch(x, DispatchDtype.MXFP4, FP8)
+    assert row.shape == (rows, 92)
+    buffer = torch.full((rows, 128), 0x7F, dtype=torch.uint8)  # the pad bytes past the row: scales of 1.0
+    buffer[:, :92] = row
+    for wire, tokens, scales in ((DispatchDtype.MXFP4, payload, buffer[:, :92]), (DispatchDtype.BF16, x, None)):
+        plan = ActivationPlan(wire, DispatchDtype.MXFP4, hidden, FP8, torch.bfloat16, MXFP4)
+        a1q, a1q_scale = plan.to_experts(tokens, scales)
+        assert a1q.dtype == torch.float4_e2m1fn_x2 and a1q.shape == (rows, hidden // 2)
+        assert a1q_scale is not None and a1q_scale.dtype == torch.float8_e8m0fnu
+        assert a1q_scale.shape == (rows, hidden // 32) and a1q_scale.is_contiguous()
+        assert torch.equal(a1q_scale.view(torch.uint8), row[:, : hidden // 32])
+    # fp8's f32 scales fill whole dwords: ceil(2880 / 128) = 23 of them, as the row holds
+    payload, row = formats.quantize_dispatch(x, DispatchDtype.FP8, FP8)
+    buffer = torch.zeros(rows, 128, dtype=torch.uint8)
+    buffer[:, :92] = row.view(torch.uint8)
+    plan = ActivationPlan(DispatchDtype.FP8, DispatchDtype.FP8, hidden, FP8, torch.bfloat16, FP8_BLOCK)
+    _, a1q_scale = plan.to_experts(payload, buffer[:, :92])
+    assert a1q_scale is not None and a1q_scale.shape == (rows, 23) and torch.equal(a1q_scale, row)
 
 
 def test_other_formats_are_rebuilt_from_the_wire(seed: int) -> None:

@@ -89,11 +89,12 @@ def _vllm_mxfp8(x: torch.Tensor) -> torch.Tensor:
 CASES: dict[str, Case] = {
     "bf16": Case("none", lambda x: x.float(), DispatchDtype.BF16),
     "fp8": Case("fp8", lambda x: _wire(x, DispatchDtype.FP8), DispatchDtype.FP8, tolerance=0.08),
-    "fp4": Case(
+    "fp4": Case(  # SGLang's v1 rule: fp4 weights combine in blockwise fp8 (EP v2 combines in bf16)
         "mxfp4",
         lambda x: _wire(x, DispatchDtype.MXFP4),
         DispatchDtype.MXFP4,
         CombineDtype.FP8_BLOCKWISE,
+        env={"SGLANG_MORI_EP_V2": "0"},
         tolerance=0.3,
     ),
     "fp8-wire-bf16-experts": Case(
