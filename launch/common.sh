@@ -42,7 +42,7 @@ Options:
   --dispatch-dtype DTYPE    ${DISPATCH_CHOICES[*]} (default: $DISPATCH_DTYPE)
   --provider NAME           ${PROVIDER_CHOICES[*]}: SGLANG_MORI_BACKEND (default: $PROVIDER)
   --mode MODE               ${MODE_CHOICES[*]} (default: $MODE)
-  --gpus N                  GPUs = EP size = DP size (default: $GPUS)
+  --gpus N                  GPUs = EP size = DP size, at least 2 (default: $GPUS)
   --max-dispatch-tokens N   SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK (default: $MAX_DISPATCH_TOKENS)
   --host HOST               (default: $HOST)
   --port PORT               (default: $PORT)
@@ -140,6 +140,8 @@ parse_args() {
     one_of --provider "$PROVIDER" "${PROVIDER_CHOICES[@]}"
     one_of --mode "$MODE" "${MODE_CHOICES[@]}"
     positive_int --gpus "$GPUS" 1024
+    ((10#$GPUS >= 2)) || usage_error "--gpus '$GPUS' is below 2: the recipe runs expert parallelism over" \
+        "--gpus GPUs, and on one GPU it dispatches nothing (the MoRI all-to-all never runs); use --gpus 2 or more"
     positive_int --max-dispatch-tokens "$MAX_DISPATCH_TOKENS" "$MAX_TOKENS_PER_RANK"
     tcp_port --port "$PORT"
     [[ -n $HOST ]] || usage_error "--host needs a value"
@@ -225,6 +227,9 @@ prepare() {
 # silently replace the recipe's value; refuse it, naming the recipe's value and the script option that
 # sets it. RECIPE_FLAGS holds ALIAS=OPTION:FLAG entries: FLAG as the command spells it, the script
 # OPTION that sets it ("-" where the recipe fixes it); a flag of the command with no entry is fixed.
+# An ALIAS that undoes a switch of the command (--disable-expert-parallel) or sets what a switch
+# implies (--attn-dp-size) names that switch as its FLAG: a switch has no value to agree with, so the
+# ALIAS is refused whatever its value.
 refuse_overrides() {
     local recipe_args=$(($# - ${#EXTRA_ARGS[@]})) i arg name value given entry flag own
     local -a entries=("${RECIPE_FLAGS[@]}") recipe=("${@:1:recipe_args}")
@@ -260,7 +265,7 @@ refuse_override() {  # refuse_override GIVEN FLAG OPTION COMMAND...: the one-sen
     if [[ $own == - ]]; then
         usage_sentence "'-- $given' contradicts the recipe, which runs ${flag}${value:+ $value}; this recipe does not change it"
     fi
-    usage_sentence "'-- $given' contradicts the recipe, which runs $flag $value; set it with the script's $own option"
+    usage_sentence "'-- $given' contradicts the recipe, which runs ${flag}${value:+ $value}; set it with the script's $own option"
 }
 
 command_value() {  # command_value FLAG COMMAND...: the value that follows FLAG in COMMAND, if any
@@ -312,6 +317,7 @@ launch_sglang() {  # launch_sglang SERVER_ARGS...
         --tp-size=--gpus:--tp-size --tensor-parallel-size=--gpus:--tp-size
         --ep-size=--gpus:--ep-size --expert-parallel-size=--gpus:--ep-size --ep=--gpus:--ep-size
         --dp-size=--gpus:--dp-size --data-parallel-size=--gpus:--dp-size
+        --attn-dp-size=--gpus:--enable-dp-attention --attention-data-parallel-size=--gpus:--enable-dp-attention
         --moe-a2a-backend=-:--moe-a2a-backend --deepep-mode=--mode:--deepep-mode
         --random-seed=--seed:--random-seed --host=--host:--host --port=--port:--port
     )
@@ -326,6 +332,7 @@ launch_vllm() {  # launch_vllm SERVER_ARGS...: vLLM's DP attention is TP 1 x DP 
         --model=--model:serve
         --tensor-parallel-size=-:--tensor-parallel-size -tp=-:--tensor-parallel-size
         --data-parallel-size=--gpus:--data-parallel-size -dp=--gpus:--data-parallel-size
+        --disable-expert-parallel=-:--enable-expert-parallel --no-enable-expert-parallel=-:--enable-expert-parallel
         --all2all-backend=--mode:--all2all-backend --max-num-batched-tokens=--max-dispatch-tokens:--max-num-batched-tokens
         --seed=--seed:--seed --host=--host:--host --port=--port:--port
     )

@@ -166,6 +166,11 @@ def test_help_lists_every_option(script: str) -> None:
             "--combine-dtype 'fp16' is not accepted; use one of: auto bf16 fp8 fp8_direct_cast fp4",
         ),
         (("--model", "M", "--gpus", "0"), "--gpus '0' is not a positive integer up to 1024"),
+        (
+            ("--model", "M", "--gpus", "1"),
+            "--gpus '1' is below 2: the recipe runs expert parallelism over --gpus GPUs, and on one GPU it "
+            "dispatches nothing (the MoRI all-to-all never runs); use --gpus 2 or more",
+        ),
         (("--model", "M", "--gpus", "18446744073709551617"), "--gpus '18446744073709551617' is not a positive"),
         (
             ("--model", "M", "--max-dispatch-tokens", "2000000"),
@@ -242,7 +247,7 @@ def test_deepseek_recipe_on_rocm_enables_aiter(tool: str, model: Path, tmp_path:
 
 def test_visible_devices_narrow_the_count(rng: random.Random, model: Path, tmp_path: Path) -> None:
     bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
-    gpus = rng.randrange(2, 8)
+    gpus = rng.randrange(3, 8)  # the recipes need 2 GPUs or more, and gpus - 1 runs
     visible = ",".join(map(str, rng.sample(range(8), gpus - 1)))
     result = run(
         "sglang_h200_moe.sh",
@@ -356,6 +361,30 @@ def test_options_take_their_value_after_an_equals_sign(
             "vllm_deepseek_r1_mxfp4.sh",
             ["-tp", "8"],
             "'-- -tp 8' contradicts the recipe, which runs --tensor-parallel-size 1; this recipe does not change it",
+        ),
+        (
+            "vllm_h200_moe.sh",
+            ["--disable-expert-parallel"],
+            "'-- --disable-expert-parallel' contradicts the recipe, which runs --enable-expert-parallel; "
+            "this recipe does not change it",
+        ),
+        (
+            "vllm_deepseek_r1_mxfp4.sh",
+            ["--no-enable-expert-parallel", "--max-running-requests", "4"],
+            "'-- --no-enable-expert-parallel' contradicts the recipe, which runs --enable-expert-parallel; "
+            "this recipe does not change it",
+        ),
+        (
+            "sglang_h200_moe.sh",
+            ["--attn-dp-size", "8"],  # next to --dp-size 8 --enable-dp-attention: 8 replicas of 8-way DP
+            "'-- --attn-dp-size 8' contradicts the recipe, which runs --enable-dp-attention; "
+            "set it with the script's --gpus option",
+        ),
+        (
+            "sglang_deepseek_r1_mxfp4.sh",
+            ["--attention-data-parallel-size=4"],
+            "'-- --attention-data-parallel-size=4' contradicts the recipe, which runs --enable-dp-attention; "
+            "set it with the script's --gpus option",
         ),
         (
             "vllm_h200_moe.sh",
