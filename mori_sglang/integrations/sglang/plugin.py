@@ -14,17 +14,25 @@ registered with its ``HookRegistry``. ``register`` adds:
 - a wrapper around the ``handle_a2a_moe`` resolution step: SGLang's checks run first (the chunked
   prefill size against ``SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK`` among them), then, when the
   backend is mori, every variable we read is parsed and the MoE runner backend is checked, so a bad
-  value stops the launch with its name instead of failing later in a worker; and an unset
-  ``SGLANG_MORI_RECV_BOUND`` is written with our default, which SGLang's own reading then shares.
+  value stops the launch with its name instead of failing later in a worker; the provider is resolved
+  for the servers' hosts (a choice that cannot run there stops the launch, and the torch provider's
+  host-synchronised normal mode turns CUDA graphs off); and an unset ``SGLANG_MORI_RECV_BOUND`` is
+  written with our default, which SGLang's own reading then shares.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from mori_sglang import env
+from mori_sglang.config import Provider
+
+logger = logging.getLogger(__name__)
 
 DISPATCHER_TARGET = "sglang.srt.layers.moe.token_dispatcher.moriep.MoriEPDispatcher"
 MOE_CLASS_TARGET = "sglang.srt.layers.moe.ep_moe.layer.get_moe_impl_class"
@@ -106,11 +114,45 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
         return
     env.check_all()  # every variable, before any model loads
     share_recv_bound_default()
+    if view.moe_a2a_backend == "mori" and launch_provider(view) is Provider.TORCH:
+        keep_graphs_off_a_host_synced_dispatch(server_args, view)
     if aiter_runs_experts():
         return
     for flag, runner_backend in runners.items():
         check_runner_backend(runner_backend, flag)
     check_fused_function_runs(view)
+
+
+def launch_provider(view: Any) -> Provider:
+    """The provider the servers' ops will resolve to (``SGLANG_MORI_BACKEND`` on the servers' GPUs over
+    ``--nnodes`` hosts): a choice that cannot run there stops the launch, naming the variable."""
+    from mori_sglang.providers import resolve_provider
+
+    requested = Provider(env.get_choice("SGLANG_MORI_BACKEND"))
+    return resolve_provider(requested, torch.device("cuda"), hosts=lambda: getattr(view, "nnodes", 1) or 1)
+
+
+def keep_graphs_off_a_host_synced_dispatch(server_args: Any, view: Any) -> None:
+    """Where the torch provider runs (across hosts, or chosen), it reads each normal-mode dispatch's
+    counts on the host, which no CUDA graph can capture: SGLang keeps graphs on for mori's normal mode,
+    so they are turned off here, as SGLang does itself for DeepEP's normal mode
+    (``--deepep-mode low_latency`` captures)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    if view.deepep_mode != "normal":
+        return
+    config = view.cuda_graph_config
+    if all(config[phase].backend == Backend.DISABLED for phase in Phase.ALL):
+        return
+    logger.warning(
+        "CUDA graphs are disabled: --moe-a2a-backend mori runs torch.distributed here (%s), whose normal-mode "
+        "dispatch synchronises with the host; --deepep-mode low_latency keeps decode graphs",
+        "SGLANG_MORI_BACKEND=torch" if env.get_choice("SGLANG_MORI_BACKEND") == "torch" else "ranks on several hosts",
+    )
+    for phase in Phase.ALL:
+        config = with_phase(config, phase, backend=Backend.DISABLED)
+    declare_resolution(server_args, "mori_sglang", cuda_graph_config=config)
 
 
 def share_recv_bound_default() -> None:

@@ -235,7 +235,8 @@ CB, CF8, CCAST = CombineDtype.BF16, CombineDtype.FP8_BLOCKWISE, CombineDtype.FP8
         (torch.bfloat16, {}, B, CB),
         (torch.float8_e4m3fn, {}, F8, CB),
         (torch.float8_e4m3fnuz, {}, F8, CB),
-        (torch.float4_e2m1fn_x2, {}, F4, CF8),
+        (torch.float4_e2m1fn_x2, {}, F4, CB),  # as SGLang's EP v2 dispatcher, the default
+        (torch.float4_e2m1fn_x2, {"SGLANG_MORI_EP_V2": "0"}, F4, CF8),  # as its v1 dispatcher
         (torch.float8_e4m3fn, {"SGLANG_MORI_DISPATCH_DTYPE": "bf16"}, B, CB),
         (torch.float4_e2m1fn_x2, {"SGLANG_MORI_COMBINE_DTYPE": "bf16"}, F4, CB),
         (
@@ -947,12 +948,71 @@ def test_the_launch_shares_the_receive_bound_default_with_sglang(
         clean_env.setenv("SGLANG_MORI_RECV_BOUND", user_value)
     assert sglang_environ.envs.SGLANG_MORI_RECV_BOUND.get() is (user_value == "1")
     monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
-    view = SimpleNamespace(moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None)
+    view = SimpleNamespace(
+        moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None, deepep_mode="normal"
+    )
     monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
     plugin.check_env_at_launch(object(), lambda server_args: None)
     want = user_value != "0"
     assert sglang_environ.envs.SGLANG_MORI_RECV_BOUND.get() is want
     assert env.get_bool("SGLANG_MORI_RECV_BOUND") is want
+
+
+@pytest.mark.parametrize(
+    ("backend", "nnodes", "deepep_mode", "graphs_off"),
+    [
+        ("auto", 2, "normal", True),  # across hosts auto runs torch.distributed
+        ("torch", 1, "normal", True),
+        ("auto", 2, "low_latency", False),  # the torch provider captures a low-latency dispatch
+        ("auto", 1, "normal", False),  # the Triton kernels capture both modes
+        ("triton", 1, "normal", False),
+    ],
+)
+def test_the_launch_turns_graphs_off_where_the_dispatch_syncs_with_the_host(
+    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch, backend: str, nnodes: int, deepep_mode: str,
+    graphs_off: bool,
+) -> None:  # fmt: skip
+    """SGLang keeps CUDA graphs on for mori's normal mode; the torch provider (chosen, or auto across
+    hosts) reads a normal-mode dispatch's counts on the host, which a graph cannot capture, so the
+    launch turns graphs off as SGLang does for DeepEP's normal mode."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, default_cuda_graph_config
+
+    monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
+    clean_env.setenv("SGLANG_MORI_BACKEND", backend)
+    config = default_cuda_graph_config()
+    assert config[Phase.DECODE].backend != Backend.DISABLED
+    view = SimpleNamespace(moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None,
+                           deepep_mode=deepep_mode, nnodes=nnodes, cuda_graph_config=config)  # fmt: skip
+    monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
+    server_args = SimpleNamespace()
+    plugin.check_env_at_launch(server_args, lambda server_args: None)
+    declared = [fields for _, fields in getattr(server_args, "_resolved_overrides", [])]
+    if graphs_off:
+        (fields,) = declared
+        assert all(fields["cuda_graph_config"][phase].backend == Backend.DISABLED for phase in Phase.ALL)
+    else:
+        assert declared == []
+
+
+def test_the_launch_refuses_a_provider_that_cannot_run_on_the_servers_hosts(
+    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch
+) -> None:
+    """Triton's arenas are one host's symmetric memory: asked for across hosts, the launch stops with
+    the variable's name instead of every worker failing after the weights have loaded."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups import overrides
+
+    monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
+    clean_env.setenv("SGLANG_MORI_BACKEND", "triton")
+    view = SimpleNamespace(moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None,
+                           deepep_mode="low_latency", nnodes=2)  # fmt: skip
+    monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
+    with pytest.raises(ConfigError, match="SGLANG_MORI_BACKEND=triton runs within one host"):
+        plugin.check_env_at_launch(SimpleNamespace(), lambda server_args: None)
 
 
 def test_launch_checks_cover_drafts_lora_and_the_fused_function_switch(
@@ -968,7 +1028,9 @@ def test_launch_checks_cover_drafts_lora_and_the_fused_function_switch(
     monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
 
     def launch(**fields: object) -> None:
-        view = SimpleNamespace(moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None)
+        view = SimpleNamespace(
+            moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None, deepep_mode="normal"
+        )
         view.__dict__.update(fields)
         monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
         plugin.check_env_at_launch(object(), lambda server_args: None)
