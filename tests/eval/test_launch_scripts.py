@@ -1,17 +1,21 @@
 """The launch recipes, run for real with --dry-run: argument checks, GPU counting and the printed recipe.
 
 GPU tools are stand-in scripts on PATH that list a chosen number of GPUs, so the counting and the
-error messages are exercised exactly as on a GPU host.
+error messages are exercised exactly as on a GPU host; the host's own GPU tools are hidden from the
+recipes, so the tests mean the same on a GPU host.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import random
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from mori_sglang import env
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 SYSTEM_PATH = "/usr/bin:/bin"
+GPU_TOOLS = ("nvidia-smi", "amd-smi", "rocm-smi")
 SGLANG = ("sglang_deepseek_r1_mxfp4.sh", "sglang_h200_moe.sh")
 VLLM = ("vllm_deepseek_r1_mxfp4.sh", "vllm_h200_moe.sh")
 SCRIPTS = SGLANG + VLLM
@@ -63,9 +68,25 @@ def fake_gpu_tool(tmp_path: Path, tool: str, count: int) -> Path:
     return bin_dir
 
 
+@functools.cache
+def system_path() -> str:
+    """SYSTEM_PATH without the host's GPU tools: where one is installed, a folder of links to every other
+    command of SYSTEM_PATH stands in for it, so a recipe sees only the stand-in tools a test puts first."""
+    if not any(shutil.which(tool, path=SYSTEM_PATH) for tool in GPU_TOOLS):
+        return SYSTEM_PATH
+    shadow = Path(tempfile.mkdtemp(prefix="system-path-without-gpu-tools-"))
+    atexit.register(shutil.rmtree, shadow, True)
+    for folder in SYSTEM_PATH.split(":"):
+        for command in Path(folder).iterdir():
+            link = shadow / command.name
+            if command.name not in GPU_TOOLS and not link.is_symlink():
+                link.symlink_to(command)
+    return str(shadow)
+
+
 def run(script: str, *args: str, bin_dir: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_MORI_", "CUDA_VISIBLE", "HIP_VISIBLE"))}
-    base["PATH"] = f"{bin_dir}:{SYSTEM_PATH}" if bin_dir else SYSTEM_PATH
+    base["PATH"] = f"{bin_dir}:{system_path()}" if bin_dir else system_path()
     return subprocess.run(
         ["bash", str(LAUNCH / script), *args], env={**base, **env}, capture_output=True, text=True, timeout=30
     )
@@ -283,10 +304,6 @@ def test_h200_recipes_need_nvidia(script: str, model: Path, tmp_path: Path) -> N
     assert "error: this recipe is for nvidia GPUs; found amd (amd-smi list)" in result.stderr
 
 
-@pytest.mark.skipif(
-    any(shutil.which(tool, path=SYSTEM_PATH) for tool in ("nvidia-smi", "amd-smi", "rocm-smi")),
-    reason="this host has a GPU tool in the system PATH",
-)
 def test_no_gpu_tool(rng: random.Random, model: Path, tmp_path: Path) -> None:
     """A dry run works anywhere: it says the GPUs were not checked. A real launch needs a GPU tool."""
     script = rng.choice(SCRIPTS)
@@ -493,7 +510,7 @@ def test_the_choices_are_read_from_the_table_of_the_scripts_checkout(model: Path
     bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
     done = subprocess.run(
         ["bash", str(checkout / "launch" / "sglang_h200_moe.sh"), *args],
-        env={"PATH": f"{bin_dir}:{SYSTEM_PATH}"},
+        env={"PATH": f"{bin_dir}:{system_path()}"},
         capture_output=True,
         text=True,
         timeout=30,
