@@ -16,6 +16,7 @@ one call later, without a host synchronisation (as the Triton provider does).
 from __future__ import annotations
 
 import contextlib
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -59,15 +60,26 @@ def init_shmem(group: dist.ProcessGroup) -> None:
         return
     import mori
 
+    bootstrap = _bootstrap_group(group)
     try:
-        torch._C._distributed_c10d._register_process_group(SHMEM_GROUP_NAME, _bootstrap_group(group))
+        torch._C._distributed_c10d._register_process_group(SHMEM_GROUP_NAME, bootstrap)
     except RuntimeError as err:
         if "already" not in str(err):
             raise
         _shmem_ready = True
         return
-    mori.shmem.shmem_torch_process_group_init(SHMEM_GROUP_NAME)
+    _bootstrap_shmem(mori.shmem, bootstrap)
     _shmem_ready = True
+
+
+def _bootstrap_shmem(shmem: ModuleType, group: dist.ProcessGroup) -> None:
+    """MoRI's shmem over ``group``, from a unique id its first rank makes. MoRI's own torch bootstrap
+    (``shmem_torch_process_group_init``) broadcasts the id from *global* rank 0, which the group of a
+    later pipeline stage does not hold: there it raises."""
+    rank = dist.get_rank(group)
+    unique_id = [shmem.shmem_get_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(unique_id, src=dist.get_global_rank(group, 0), group=group)
+    shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, dist.get_world_size(group), unique_id[0])
 
 
 def finalize_shmem() -> None:

@@ -184,7 +184,7 @@ def test_method_signatures_are_the_real_ones(path: str, cls: str, names: tuple[s
 def test_shmem_functions_are_the_real_ones() -> None:
     real = {n.name: n for n in _real(SHMEM).body if isinstance(n, ast.FunctionDef)}
     fake = {n.name: n for n in _fake(SHMEM).body if isinstance(n, ast.FunctionDef)}
-    for name in ("shmem_torch_process_group_init", "shmem_finalize"):
+    for name in ("shmem_torch_process_group_init", "shmem_get_unique_id", "shmem_init_attr", "shmem_finalize"):
         assert _signature(fake[name]) == _signature(real[name]), name
 
 

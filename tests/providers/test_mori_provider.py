@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mori_sglang import formats, providers
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
@@ -321,6 +322,30 @@ def test_mori_shmem_bootstraps_over_the_callers_cpu_group(fake_mori: None, monke
         with pytest.raises(_Bootstrapped):
             EpDispatchCombineOp(cfg, device_group, device="cpu", **kwargs)
         assert handed.pop() is want
+
+
+def _bootstrap_one_stage(rank: int, world: int) -> None:
+    """Two pipeline stages of one rank each: stage 1's group lacks global rank 0, from which MoRI's own
+    torch bootstrap broadcasts; the provider's bootstrap sends the id from the group's first rank."""
+    sys.path.insert(0, FAKE_MORI)
+    import mori
+
+    stages = [dist.new_group([r], backend="gloo") for r in range(world)]
+    mine = stages[rank]
+    if rank == 1:
+        torch._C._distributed_c10d._register_process_group(mori_provider.SHMEM_GROUP_NAME, mine)
+        with pytest.raises(ValueError, match=r"Global rank 0 is not part of group"):
+            mori.shmem.shmem_torch_process_group_init(mori_provider.SHMEM_GROUP_NAME)
+        torch._C._distributed_c10d._unregister_process_group(mori_provider.SHMEM_GROUP_NAME)
+    mori_provider.init_shmem(mine)
+    try:
+        assert dist.get_process_group_ranks(mori.shmem.group) == [rank]
+    finally:
+        finalize_shmem()
+
+
+def test_mori_shmem_bootstraps_over_a_later_pipeline_stages_group(tmp_path: Path) -> None:
+    run_gloo(2, _bootstrap_one_stage, (), tmp_path, timeout_s=120)
 
 
 def test_closing_ep_v2_meets_every_rank_before_freeing_the_window() -> None:
