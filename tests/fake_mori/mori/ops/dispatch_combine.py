@@ -138,7 +138,8 @@ class EpDispatchCombineOp:
         self._pending_combine: torch.Tensor | None = None
         self._dispatch_dtype: torch.dtype | None = None
         EpDispatchCombineOp.instances.append(self)
-        dist.barrier(shmem.group)
+        dist.barrier()  # the real constructor meets every rank of the job, twice: a collective over all
+        dist.barrier()
 
     # -- sizes --------------------------------------------------------------------------------
 
