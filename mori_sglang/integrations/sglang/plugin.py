@@ -118,6 +118,8 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
         keep_graphs_off_a_host_synced_dispatch(server_args, view)
     if aiter_runs_experts():
         return
+    if "--moe-runner-backend" in runners and take_triton_runner_for_auto(server_args, view):
+        runners["--moe-runner-backend"] = "triton"
     for flag, runner_backend in runners.items():
         check_runner_backend(runner_backend, flag)
     check_fused_function_runs(view)
@@ -155,6 +157,23 @@ def keep_graphs_off_a_host_synced_dispatch(server_args: Any, view: Any) -> None:
     declare_resolution(server_args, "mori_sglang", cuda_graph_config=config)
 
 
+def take_triton_runner_for_auto(server_args: Any, view: Any) -> bool:
+    """Where the user left ``--moe-runner-backend`` on auto and SGLang's model overrides picked a runner
+    that cannot take mori's outputs (gpt-oss: ``triton_kernel``, chosen before the EP size is set),
+    declare the Triton runner instead, as auto means for mori layers. True where it did."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    if getattr(server_args, "moe_runner_backend", None) != "auto" or view.moe_runner_backend in TRITON_RUNNER_BACKENDS:
+        return False
+    logger.warning(
+        "--moe-runner-backend: SGLang picked %s for this model; --moe-a2a-backend mori runs its experts on the "
+        "triton runner",
+        view.moe_runner_backend,
+    )
+    declare_resolution(server_args, "mori_sglang", moe_runner_backend="triton")
+    return True
+
+
 def share_recv_bound_default() -> None:
     """Where ``SGLANG_MORI_RECV_BOUND`` is unset, write our default (on) for the servers' processes:
     SGLang reads the same variable with its own default (off) to decide whether attention-DP ranks
@@ -187,7 +206,7 @@ def check_runner_backend(runner_backend: str, flag: str = "--moe-runner-backend"
         accepted = " or ".join(TRITON_RUNNER_BACKENDS)
         raise ValueError(
             f"{flag} {runner_backend} cannot run the experts of --moe-a2a-backend mori "
-            f"on this platform; use {flag} {accepted} (SGLang picks {runner_backend} itself for "
-            "some checkpoints, e.g. triton_kernel or flashinfer_mxfp4 for gpt-oss MXFP4, whose MoE layers mori "
-            "cannot run here: serve those with another --moe-a2a-backend)"
+            f"on this platform; use {flag} {accepted} (left on auto, the triton runner is taken; MXFP4 "
+            "checkpoints such as gpt-oss's run kernels of their own, which mori cannot feed here: serve those "
+            "with another --moe-a2a-backend)"
         )

@@ -997,6 +997,30 @@ def test_the_launch_turns_graphs_off_where_the_dispatch_syncs_with_the_host(
         assert declared == []
 
 
+@pytest.mark.parametrize("raw", ["auto", "triton_kernel"])
+def test_a_runner_sglang_picked_for_auto_becomes_triton_and_a_chosen_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch, raw: str
+) -> None:
+    """SGLang's gpt-oss override turns an auto runner into triton_kernel (before the EP size is set):
+    left on auto, mori's launch declares the triton runner its experts run on; asked for by name, the
+    runner is refused by name."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups import overrides
+
+    monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
+    view = SimpleNamespace(moe_a2a_backend="mori", moe_runner_backend="triton_kernel", speculative_algorithm=None,
+                           deepep_mode="normal", nnodes=1)  # fmt: skip
+    monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
+    server_args = SimpleNamespace(moe_runner_backend=raw)
+    if raw == "auto":
+        plugin.check_env_at_launch(server_args, lambda server_args: None)
+        assert server_args._resolved_overrides == [("mori_sglang", {"moe_runner_backend": "triton"})]
+    else:
+        with pytest.raises(ValueError, match=r"^--moe-runner-backend triton_kernel cannot run the experts"):
+            plugin.check_env_at_launch(server_args, lambda server_args: None)
+
+
 def test_the_launch_refuses_a_provider_that_cannot_run_on_the_servers_hosts(
     monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch
 ) -> None:
