@@ -6,7 +6,8 @@
   (-1) by the experts per rank towards zero and delivers the slot to rank 0, whose output the combine
   then adds (and with one expert per rank it asserts), while InterNodeV1 skips negative ids.
 - SGLang's blocks and warps for each kernel, its wider grid for fp4 dispatch within a host, clamped to
-  the GPU's compute units.
+  the GPU's compute units, configured as SGLang configures them (MoRI 1.2.4's IntraNode dispatch then
+  runs its own default grid whatever is configured; its combine takes these).
 - Scale rows travel as opaque bytes already padded to their 128 B stride (v1 lays the rows it
   receives down packed), so the receiver reads them at the stride our other providers use.
 - The quantized combines are MoRI's own: ``quant_type`` per combine dtype, with MoRI's block scales
