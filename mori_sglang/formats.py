@@ -245,10 +245,15 @@ def dispatch_scale_groups(dtype: DispatchDtype, hidden: int) -> int:
     return num_blocks(hidden, group) if group else 0
 
 
+def dispatch_scale_width(dtype: DispatchDtype, hidden: int) -> int:
+    """Bytes of a token's scales themselves, no padding: 92 B for fp8, 90 B for mxfp8 and fp4 at 2880."""
+    return dispatch_scale_groups(dtype, hidden) * wire_formats.DISPATCH_BY_NAME[dtype.value].scale_bytes
+
+
 def dispatch_scale_bytes(dtype: DispatchDtype, hidden: int) -> int:
     """Natural scale row of a dispatch format, whole dwords: 224 B for fp8, mxfp8 and fp4 at hidden 7168;
     92 B at 2880 (23 f32 scales, or 90 e8m0 bytes and two zero pad bytes)."""
-    return align(dispatch_scale_groups(dtype, hidden) * wire_formats.DISPATCH_BY_NAME[dtype.value].scale_bytes, 4)
+    return align(dispatch_scale_width(dtype, hidden), 4)
 
 
 def dispatch_payload_dtype(dtype: DispatchDtype, fp8_dtype: torch.dtype) -> torch.dtype:

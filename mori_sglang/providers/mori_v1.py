@@ -139,12 +139,14 @@ def check_combine_quantization(config: EpConfig, kernel: str) -> None:
             f"SGLANG_MORI_COMBINE_DTYPE={config.combine_dtype.value} is not offered by MoRI's {kernel} kernel "
             f"(mode {config.mode.value}, {config.world_size} ranks); use bf16 or fp8_direct_cast there"
         )
+    if config.combine_dtype is not CombineDtype.FP4_BLOCKWISE:
+        return
     block = mori_combine_block(config)
-    if config.combine_dtype is CombineDtype.FP4_BLOCKWISE and block % 2:
+    if block % 2:
         # MoRI packs element pairs from each block's start: a block of odd length starts every other
         # block mid-byte, and those pairs are quantized with the next block's scale.
         raise ConfigError(
-            f"SGLANG_MORI_COMBINE_DTYPE={wire_formats.COMBINE_BY_NAME[config.combine_dtype.value].env_name} "
+            f"SGLANG_MORI_COMBINE_DTYPE={wire_formats.COMBINE_BY_NAME[config.combine_dtype.value].user_name} "
             f"(fp4_blockwise) at hidden {config.hidden} gives blocks of {block} elements (ceil(hidden / "
             f"MORI_FP8_COMBINE_SCALE_DIM), {wire_formats.NATIVE_COMBINE_SCALES} scales unless set); MoRI's fp4 "
             "combine needs blocks of an even length: set MORI_FP8_COMBINE_SCALE_DIM so that ceil(hidden / it) is even"

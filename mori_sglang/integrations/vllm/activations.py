@@ -18,7 +18,7 @@ from vllm.utils import deep_gemm
 
 from mori_sglang import formats
 from mori_sglang.config import DispatchDtype
-from mori_sglang.wire_formats import DISPATCH_BY_NAME, FP8_BLOCK
+from mori_sglang.wire_formats import FP8_BLOCK
 
 
 def expert_format(
@@ -58,8 +58,7 @@ def _typed(
     the received rows sit at the receive buffer's row stride: the experts get the format's own scales, in
     the dense ``[N, scales]`` layout vLLM's and AITER's quantizers make, not the padding as extra scales.
     """
-    width = formats.dispatch_scale_groups(fmt, hidden) * DISPATCH_BY_NAME[fmt.value].scale_bytes
-    raw = scales.view(torch.uint8)[:, :width].contiguous()
+    raw = scales.view(torch.uint8)[:, : formats.dispatch_scale_width(fmt, hidden)].contiguous()
     if fmt is DispatchDtype.FP8:
         return payload, raw.view(torch.float32)
     if fmt is DispatchDtype.MXFP4:
