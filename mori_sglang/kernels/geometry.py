@@ -32,6 +32,7 @@ class KernelTuning:
     self_routing_max_tokens: int = 128
     self_route_chunk: int = 64
     route_block: int = 256  # tokens per routing program; larger batches get more programs
+    route_programs_per_sm: int = 4  # programs of a dispatch send that run its routing tasks
     route_warps: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
     send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
@@ -108,7 +109,12 @@ WARP_FIELDS = (
     "combine_recv_warps",
     "combine_recv_warps_fp8",
 )
-PROGRAM_FIELDS = ("send_programs_per_sm", "combine_send_programs_per_sm", "combine_recv_programs_per_sm")
+PROGRAM_FIELDS = (
+    "route_programs_per_sm",
+    "send_programs_per_sm",
+    "combine_send_programs_per_sm",
+    "combine_recv_programs_per_sm",
+)
 # The most warps a program may have: 1024 threads of 32-lane NVIDIA warps (AMD's 64-lane ones reach it at 16).
 MAX_WARPS = 32
 # The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.

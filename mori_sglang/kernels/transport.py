@@ -477,12 +477,15 @@ def route_kernel(
 
 
 # The routing folded into the dispatch send (``FUSED_ROUTING``) is split into tasks: task ``b * W + d``
-# numbers the tokens of block b that go to rank d. Three int64 words per task hold the send's round
-# (``target``), so none is ever reset: ``claims`` (the round a program took the task in), ``counts``
-# (``target << 32 | tokens of the block that go to d``, published before the task waits for anything)
-# and ``routed`` (the round whose numbering the task has finished). Waits poll with plain loads, which
-# many programs can make at once without serializing on the words as atomics would; one acquire per
-# wait then orders the task's stores before the reads that follow it.
+# numbers the tokens of block b that go to rank d. The first ROUTERS programs to start (in the order of
+# a counter they take at their start, not of their program ids) run the tasks and move no rows; every
+# later program moves rows and waits only for tasks of programs that started before it, which never
+# wait without bound: the send makes progress however the GPU schedules its programs (in Triton's
+# interpreter, one after another). Two int64 words per task hold the send's round (``target``), so
+# none is ever reset: ``counts`` (``target << 32 | tokens of the block that go to d``, published before
+# the task waits for anything) and ``routed`` (the round whose numbering the task has finished). Waits
+# poll with plain loads, which many programs can make at once without serializing on the words as
+# atomics would; one acquire per wait then orders the task's stores before the reads that follow it.
 TASK_TAG_SHIFT = tl.constexpr(32)
 
 
@@ -500,33 +503,36 @@ def _count_before(
     KP: tl.constexpr,
     W: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
+    LANES: tl.constexpr,
     COUNT_SPINS: tl.constexpr,
 ):
-    """Tokens of the blocks before b that go to rank d: the counts their tasks published, polled at
-    most COUNT_SPINS times; a count not published by then is made here (a count depends on nothing, so
-    no task ever waits on another without bound, however the programs are scheduled)."""
-    earlier = tl.arange(0, NBP)
-    lanes = earlier < b
-    words = counts_ptr + earlier * W + d
-    seen = tl.load(words, mask=lanes, other=0, volatile=True)
-    missing = lanes & ((seen >> TASK_TAG_SHIFT) != target)
-    spins = 0
-    while (tl.max(missing.to(tl.int32), 0) > 0) & (spins < COUNT_SPINS):
+    """Tokens of the blocks before b that go to rank d: the counts their tasks published, LANES blocks
+    at a time, each chunk polled at most COUNT_SPINS times; a count not published by then is made here
+    (a count depends on nothing, so no task ever waits on another without bound)."""
+    before = tl.zeros((), dtype=tl.int64)
+    for e0 in range(0, b, LANES):
+        earlier = e0 + tl.arange(0, LANES)
+        lanes = earlier < b
+        words = counts_ptr + earlier * W + d
         seen = tl.load(words, mask=lanes, other=0, volatile=True)
         missing = lanes & ((seen >> TASK_TAG_SHIFT) != target)
-        spins += 1
-    before = tl.sum(tl.where(lanes & ~missing, seen - (target << TASK_TAG_SHIFT), 0), 0)
-    if tl.max(missing.to(tl.int32), 0) > 0:
-        for e in range(0, b):
-            if tl.sum(tl.where(earlier == e, missing.to(tl.int32), 0), 0) > 0:
-                before += _block_count(ids_ptr, d, e, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
+        spins = 0
+        while (tl.max(missing.to(tl.int32), 0) > 0) & (spins < COUNT_SPINS):
+            seen = tl.load(words, mask=lanes, other=0, volatile=True)
+            missing = lanes & ((seen >> TASK_TAG_SHIFT) != target)
+            spins += 1
+        before += tl.sum(tl.where(lanes & ~missing, seen - (target << TASK_TAG_SHIFT), 0), 0)
+        if tl.max(missing.to(tl.int32), 0) > 0:
+            for e in range(e0, tl.minimum(e0 + LANES, b)):
+                if tl.sum(tl.where(earlier == e, missing.to(tl.int32), 0), 0) > 0:
+                    before += _block_count(ids_ptr, d, e, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
     return before.to(tl.int32)
 
 
 @triton.jit
-def _route_task(
-    task,
+def _route_tasks(
+    router,
+    routers,
     target,
     ids_ptr,
     peer_bases,
@@ -546,76 +552,42 @@ def _route_task(
     KP: tl.constexpr,
     W: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
+    LANES: tl.constexpr,
     COUNT_SPINS: tl.constexpr,
 ):
-    """Routing task ``b * W + d``: publish the block's count for d, wait for the earlier blocks' counts,
-    number the tokens (``_write_routes``) and mark the task routed (release)."""
-    d = task % W
-    b = task // W
-    # Counted here, numbered after the wait from the ids again: nothing of the block stays live across
-    # the wait (the routing's registers are the send's).
-    count = _block_count(ids_ptr, d, b, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
-    tl.atomic_xchg(counts_ptr + task, (target << TASK_TAG_SHIFT) | count, sem="relaxed", scope="gpu")
-    before = _count_before(
-        ids_ptr, counts_ptr, d, b, target, num_tokens, num_experts, num_local_experts, K, KP, W, BLOCK_N, NBP,
-        COUNT_SPINS,
-    )  # fmt: skip
-    last_block = b >= tl.cdiv(num_tokens, BLOCK_N) - 1  # an empty batch has one block, of no tokens
-    _write_routes(
-        ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, d, b, before,
-        last_block, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, BLOCK_N,
-    )  # fmt: skip
-    tl.debug_barrier()  # every thread's stores precede the mark
-    tl.atomic_xchg(routed_ptr + task, target, sem="release", scope="gpu")
+    """Router ``router`` of ``routers``: tasks router, router + routers, ... First it publishes every
+    one of its tasks' counts (so that other routers' tasks rarely wait for them), then numbers each
+    task's tokens after the earlier blocks' counts (``_write_routes``) and marks it routed (release)."""
+    blocks = tl.cdiv(num_tokens, BLOCK_N)
+    tasks = tl.maximum(blocks, 1) * W  # an empty batch has one block, of no tokens: its task writes the counts
+    for task in range(router, tasks, routers):
+        count = _block_count(ids_ptr, task % W, task // W, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
+        tl.atomic_xchg(counts_ptr + task, (target << TASK_TAG_SHIFT) | count, sem="relaxed", scope="gpu")
+    for task in range(router, tasks, routers):
+        d = task % W
+        b = task // W
+        before = _count_before(
+            ids_ptr, counts_ptr, d, b, target, num_tokens, num_experts, num_local_experts, K, KP, W, BLOCK_N, LANES,
+            COUNT_SPINS,
+        )  # fmt: skip
+        _write_routes(
+            ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, d, b, before,
+            b >= blocks - 1, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, BLOCK_N,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread's stores precede the mark
+        tl.atomic_xchg(routed_ptr + task, target, sem="release", scope="gpu")
 
 
 @triton.jit
-def _await_block(
-    b,
-    target,
-    ids_ptr,
-    peer_bases,
-    slot_of_pair_ptr,
-    row_of_pair_ptr,
-    counts_ptr,
-    routed_ptr,
-    claims_ptr,
-    send_counts_ptr,
-    status_ptr,
-    num_tokens,
-    num_experts,
-    num_local_experts,
-    rank,
-    max_tokens,
-    ROW_BYTES: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
-    COUNT_SPINS: tl.constexpr,
-):
-    """Return once every task of block b is routed, taking over the tasks no program has claimed yet:
-    the tasks a wait depends on are all running or done, so the send makes progress however its
-    programs are scheduled (in Triton's interpreter, one after another). The send runs one warp per
-    program, which reads each poll as one value."""
+def _await_block(b, target, routed_ptr, W: tl.constexpr, WP: tl.constexpr):
+    """Return once every task of block b is routed. The tasks' routers started before this program and
+    wait for nothing without bound. The send runs one warp per program, which reads each poll as one
+    value."""
     w_offs = tl.arange(0, WP)
     lanes = w_offs < W
     tasks = b * W + w_offs
     late = lanes & (tl.load(routed_ptr + tasks, mask=lanes, other=0, volatile=True) < target)
     while tl.max(late.to(tl.int32), 0) > 0:
-        free = late & (tl.load(claims_ptr + tasks, mask=late, other=0, volatile=True) < target)
-        if tl.max(free.to(tl.int32), 0) > 0:
-            claimed = free & (tl.atomic_max(claims_ptr + tasks, target, mask=free, sem="relaxed", scope="gpu") < target)
-            for d in range(W):  # a loop, not unrolled: one copy of the task's code
-                if tl.sum(tl.where(w_offs == d, claimed.to(tl.int32), 0), 0) > 0:
-                    _route_task(
-                        b * W + d, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, counts_ptr,
-                        routed_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank,
-                        max_tokens, ROW_BYTES, K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
-                    )  # fmt: skip
         late = lanes & (tl.load(routed_ptr + tasks, mask=lanes, other=0, volatile=True) < target)
     tl.atomic_add(routed_ptr + tasks, 0, mask=lanes, sem="acquire", scope="gpu")  # the tasks' stores first
     tl.debug_barrier()  # every thread of the program reads the routing after the acquire
@@ -744,7 +716,7 @@ def dispatch_send_kernel(
     row_of_pair_ptr,
     block_counts_ptr,
     routed_ptr,
-    claims_ptr,
+    start_order_ptr,
     send_counts_ptr,
     status_ptr,
     tickets_ptr,
@@ -756,6 +728,7 @@ def dispatch_send_kernel(
     max_tokens,
     counts_offset,
     arrivals_offset,
+    routers,
     ROW_BYTES: tl.constexpr,
     TOKEN_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -781,7 +754,7 @@ def dispatch_send_kernel(
     SELF_ROUTING: tl.constexpr,
     ROUTE_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NBP: tl.constexpr,
+    LANES: tl.constexpr,
     COUNT_SPINS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -798,37 +771,41 @@ def dispatch_send_kernel(
     the tokens' words and the scale rows' words whatever their dtype, f32 or 16-bit weights (sent as
     f32), int32 or int64 ids.
        With SELF_ROUTING each item numbers its own token's copies from the ids (``_self_route``) and
-    nothing waits. With FUSED_ROUTING the routing runs in this launch as tasks: program p first takes
-    routing tasks p, p + programs, ... (``_route_task``), then quantizes each item and waits for its
-    block's routing (``_await_block``) only before it stores. With neither, the routing kernels ran
-    before the send.
+    nothing waits. With FUSED_ROUTING the routing runs in this launch as tasks: the first ``routers``
+    programs to start run them (``_route_tasks``) and the others move the rows, each quantizing an item
+    before it waits for its block's routing (``_await_block``) and stores. With neither, the routing
+    kernels ran before the send.
        A program loads its next item's input before it works on the current one, so that two items'
     loads are in flight: the send is bound by the bytes it keeps in flight, and the extra registers
     (99 instead of 80 per thread for fp8, 168 instead of 96 for a copy) cost less than that gains."""
     _after_previous_kernel(PDL)
-    pid = tl.program_id(0)
     total = num_tokens * TILES
     TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
-    x_next = _token_tile(x_ptr, pid, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
-    if SELF_ROUTING:  # every rank's arena address, once per program that has an item
-        w_offs = tl.arange(0, WP)
-        bases = tl.load(peer_bases + w_offs, mask=(w_offs < W) & (pid < total), other=0)
+    first_item = tl.program_id(0)
+    movers = tl.num_programs(0)  # the programs that move rows
     if FUSED_ROUTING:
         target = tl.load(round_ptr) + 1  # this send's round: the last program advances round_ptr to it
-        for task in range(pid, tl.maximum(tl.cdiv(num_tokens, BLOCK_N), 1) * W, tl.num_programs(0)):
-            if tl.atomic_max(claims_ptr + task, target, sem="relaxed", scope="gpu") < target:
-                _route_task(
-                    task, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
-                    routed_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank,
-                    max_tokens, ROW_BYTES, K, KP, W, BLOCK_N, NBP, COUNT_SPINS,
-                )  # fmt: skip
+        started = tl.atomic_add(start_order_ptr, 1, sem="relaxed", scope="gpu")  # programs started before this one
+        movers -= routers
+        first_item = started - routers
+        if started < routers:
+            _route_tasks(
+                started, routers, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
+                routed_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts, num_local_experts, rank, max_tokens,
+                ROW_BYTES, K, KP, W, BLOCK_N, LANES, COUNT_SPINS,
+            )  # fmt: skip
+            first_item = total  # a router moves no rows
+    x_next = _token_tile(x_ptr, first_item, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
+    if SELF_ROUTING:  # every rank's arena address, once per program that has an item
+        w_offs = tl.arange(0, WP)
+        bases = tl.load(peer_bases + w_offs, mask=(w_offs < W) & (first_item < total), other=0)
     routed = -1  # the last block this program saw routed (its items' tokens only grow)
     offs = tl.arange(0, BLOCK)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
-    for item in range(pid, total, tl.num_programs(0)):
+    for item in range(first_item, total, movers):
         x_now = x_next
-        following = item + tl.num_programs(0)
+        following = item + movers
         x_next = _token_tile(x_ptr, following, total, TILES, QUANT, HIDDEN, TILE_ELEMS, TOKEN_WORDS, BLOCK)
         n = item // TILES
         tile = item % TILES
@@ -897,11 +874,7 @@ def dispatch_send_kernel(
             if FUSED_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
                 if n // BLOCK_N > routed:
                     routed = n // BLOCK_N
-                    _await_block(
-                        routed, target, ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, block_counts_ptr,
-                        routed_ptr, claims_ptr, send_counts_ptr, status_ptr, num_tokens, num_experts,
-                        num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, W, WP, BLOCK_N, NBP, COUNT_SPINS,
-                    )  # fmt: skip
+                    _await_block(routed, target, routed_ptr, W, WP)
             rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
         present = rows != 0
         _store_all(rows, 0, payload_at, payload, payload_in, present, payload_at.shape[0], KP)
@@ -913,9 +886,11 @@ def dispatch_send_kernel(
             _store_all(rows, WEIGHTS_AT * 4, k_offs, weights, k_mask, present, KP, KP)
             _store_all(rows, IDS_AT * 4, k_offs, wire_ids, k_mask, present, KP, KP)
     if SELF_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
-        if (num_tokens == 0) & (pid == 0):  # no token's item counts: nothing goes anywhere
+        if (num_tokens == 0) & (tl.program_id(0) == 0):  # no token's item counts: nothing goes anywhere
             tl.store(send_counts_ptr + tl.arange(0, WP), tl.zeros((WP,), tl.int64), mask=tl.arange(0, WP) < W)
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
+        if FUSED_ROUTING:  # every program has taken its place in the start order
+            tl.store(start_order_ptr, 0)
         _publish_dispatch(round_ptr, peer_bases, send_counts_ptr, counts_offset, arrivals_offset, rank, W, WP)
 
 

@@ -62,6 +62,8 @@ TICKETS = ("dispatch_send", "combine_send")
 # Polls of an earlier routing task's count before the task counts those tokens itself (on a GPU; the
 # interpreter runs programs one after another, so there it never waits).
 COUNT_SPINS = 64
+# Earlier routing blocks' counts a routing task in the send reads at once (more are read in turns).
+COUNT_LANES = 256
 # The formats whose wire rows carry no scales: their kernels tile a row in blocks of this many elements,
 # whatever MORI_FP8_COMBINE_SCALE_DIM says.
 UNSCALED_COMBINE_BLOCK = 128
@@ -219,10 +221,11 @@ class TritonProvider(EpProvider):
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_ROUTE_TASK)  # the most a batch can span
         # Per routing block and destination: its count (tagged with the send's round when fused), and,
-        # for the routing inside the send, the round its task was claimed in and the round it finished.
+        # for the routing inside the send, the round it finished.
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
-        self._route_claims = torch.zeros_like(self._block_counts)
         self._routed = torch.zeros_like(self._block_counts)
+        # The programs of the running send that routes that have started, back to 0 at its end.
+        self._start_order = torch.zeros(1, dtype=torch.int32, device=device)
         # Each copy's slot (for the combine) and destination row address (for the send right after the
         # routing), made by the routing; a dispatch's handle views the first rows.
         self._slot_of_pair = torch.empty(config.max_tokens_per_rank, config.topk, dtype=torch.int64, device=device)
@@ -367,7 +370,7 @@ class TritonProvider(EpProvider):
         fixed = {
             **routes,
             "routed_ptr": self._routed,
-            "claims_ptr": self._route_claims,
+            "start_order_ptr": self._start_order,
             "tickets_ptr": self._ticket("dispatch_send"),
             "round_ptr": self.rounds[0],
             "counts_offset": self.arena_layout.counts_offset,
@@ -375,10 +378,13 @@ class TritonProvider(EpProvider):
         }
         if not with_scales:
             fixed["scales_ptr"] = self._no_scales
+        # A send that routes has programs that run the routing tasks, and move no rows.
+        (routers,) = self._grid(self._tuning.route_programs_per_sm, blocks * cfg.world_size) if fused else (0,)
+        fixed["routers"] = routers
+        (movers,) = self._grid(self._tuning.send_programs_per_sm, num_tokens * tiles)
         send = self._bind(
             transport.dispatch_send_kernel,
-            # A send that routes needs a program per routing task too.
-            self._grid(self._tuning.send_programs_per_sm, max(num_tokens * tiles, blocks * cfg.world_size * fused)),
+            (routers + movers,),
             fixed,
             {
                 **self._row_meta(layout),
@@ -399,7 +405,7 @@ class TritonProvider(EpProvider):
                 "SELF_ROUTING": self_routed,
                 "ROUTE_CHUNK": min(self._tuning.self_route_chunk, triton.next_power_of_2(max(num_tokens, 1))),
                 "BLOCK_N": route_block,
-                "NBP": triton.next_power_of_2(blocks),
+                "LANES": min(triton.next_power_of_2(blocks), COUNT_LANES),
                 "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
                 "enable_fp_fusion": False,
                 "num_warps": self._tuning.send_warps,
