@@ -88,20 +88,15 @@ GSM8K_TEST_JSONL = Path(__file__).with_name("data") / "gsm8k" / "test.jsonl"
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-# Where the Triton provider's dispatch routes a batch: item by item inside the send, in routing tasks
-# inside the send, or in routing kernels before it.
-ROUTING_REGIMES = ("self", "tasks", "kernels")
+# Where the Triton provider's dispatch send routes a batch: item by item, or in routing tasks.
+ROUTING_REGIMES = ("self", "tasks")
 
 
 def routing_tuning(regime: str, up_to: int, **fields: int) -> KernelTuning:
     """A tuning under which batches of at most ``up_to`` tokens route as ``regime`` says (larger ones,
-    and every batch under "kernels", in the routing kernels)."""
+    and every batch under "tasks", in routing tasks)."""
     assert regime in ROUTING_REGIMES, regime
-    return KernelTuning(
-        self_routing_max_tokens=up_to if regime == "self" else 0,
-        fused_routing_max_tokens=up_to if regime == "tasks" else 0,
-        **fields,
-    )
+    return KernelTuning(self_routing_max_tokens=up_to if regime == "self" else 0, **fields)
 
 
 def generator(seed: int, *salt: int) -> torch.Generator:

@@ -19,23 +19,17 @@ class KernelTuning:
     """Tile sizes, warps and programs per kernel; the defaults measured fastest on an H200
     (docs/performance.md). Tiles are also work items, so small batches still fill the GPU."""
 
-    # Batches of at most this many tokens route inside the dispatch send (one launch per send), in
-    # tasks of ``fused_route_block`` tokens for one destination; larger batches (0: every batch) route
-    # in one or two kernels before the send, in blocks of ``route_block`` tokens. On an H200 the routing
-    # inside the send costs the device nothing at 128 tokens per rank and 17% of the send at 4096, where
-    # the device, not the host's launches, bounds an eager step (docs/performance.md).
-    fused_routing_max_tokens: int = 512
-    fused_route_block: int = 16
     # Batches of at most this many tokens route item by item inside the send, with no routing tasks to
     # wait for: each work item counts the earlier tokens' destinations itself, ``self_route_chunk``
     # tokens at a time, a cost that grows with the batch (worlds of at most SELF_ROUTING_MAX_WORLD ranks).
     self_routing_max_tokens: int = 128
     self_route_chunk: int = 64
-    route_block: int = 256  # tokens per routing program; larger batches get more programs
-    route_programs_per_sm: int = 4  # programs of a dispatch send that run its routing tasks
-    route_warps: int = 4
+    # Larger batches route in tasks of ``route_block`` tokens for one destination, run inside the send
+    # by ``route_programs_per_sm`` programs per SM that move no rows (a task's registers stay out of the
+    # programs that do: docs/performance.md).
+    route_block: int = 16
+    route_programs_per_sm: int = 4
     send_tile: int = 1024  # elements of the bf16 token quantized per work item of the dispatch send
-    send_warps: int = 1  # the send is latency-bound: many small programs keep the most rows in flight
     send_programs_per_sm: int = 48
     copy_block: int = 2048  # 32-bit words per copy step (unquantized send, receive)
     recv_warps: int = 4
@@ -53,9 +47,8 @@ class KernelTuning:
     combine_send_programs_per_sm: int = 32  # idle programs exit at once; one row or tile per item
     combine_recv_programs_per_sm: int = 16  # each item reads top-k rows: fewer programs, more loads each
     # Under programmatic dependent launch, a kernel of at most this many programs lets the kernel after
-    # it launch as soon as its own wait for the kernel before is over (0: none does; the routing kernels
-    # always do). Measured once on an H200: faster small steps, slower 4096-token ones when every
-    # kernel did it (docs/performance.md).
+    # it launch as soon as its own wait for the kernel before is over (0: none does). Measured once on
+    # an H200: faster small steps, slower 4096-token ones when every kernel did it (docs/performance.md).
     early_launch_max_programs: int = 0
 
     def dispatch_recv_programs_per_sm(self, row_bytes: int) -> int:
@@ -67,12 +60,7 @@ class KernelTuning:
         return min(most, max(fewest, nearest))
 
     def __post_init__(self) -> None:
-        if self.fused_routing_max_tokens and self.send_warps != 1:
-            raise ValueError(
-                f"KernelTuning.send_warps={self.send_warps} with fused routing: the routing's waits read each "
-                "poll as one value in a single warp; use send_warps=1 or fused_routing_max_tokens=0"
-            )
-        for name in ("early_launch_max_programs", "fused_routing_max_tokens", "self_routing_max_tokens"):
+        for name in ("early_launch_max_programs", "self_routing_max_tokens"):
             if getattr(self, name) < 0:  # 0 turns the feature off; a negative value meant nothing
                 raise ValueError(f"KernelTuning.{name}={getattr(self, name)}: must be >= 0")
         if self.dispatch_recv_bytes_per_sm <= 0:
@@ -92,7 +80,6 @@ class KernelTuning:
 
 
 TILE_FIELDS = (
-    "fused_route_block",
     "self_route_chunk",
     "route_block",
     "send_tile",
@@ -102,8 +89,6 @@ TILE_FIELDS = (
     "combine_recv_tile_fp8",
 )
 WARP_FIELDS = (
-    "route_warps",
-    "send_warps",
     "recv_warps",
     "combine_send_warps",
     "combine_recv_warps",
@@ -117,12 +102,12 @@ PROGRAM_FIELDS = (
 )
 # The most warps a program may have: 1024 threads of 32-lane NVIDIA warps (AMD's 64-lane ones reach it at 16).
 MAX_WARPS = 32
-# The smallest tile, and so the smallest routing block: it bounds how many blocks a batch can span.
+# The smallest tile.
 MIN_TILE = 64
 # The fewest tokens of a routing task inside the dispatch send, and so the most tasks a batch can span.
 MIN_ROUTE_TASK = 16
 # The smallest value of the tiles counted in tokens; the others are at least MIN_TILE.
-MIN_TILE_OF = {"fused_route_block": MIN_ROUTE_TASK, "self_route_chunk": 1}
+MIN_TILE_OF = {"route_block": MIN_ROUTE_TASK, "self_route_chunk": 1}
 # The most ranks a batch can route item by item in: one bit per rank in a 64-bit word per token.
 SELF_ROUTING_MAX_WORLD = 64
 # The fewest and the most programs per SM of the dispatch receive, whatever its rows' size.

@@ -22,18 +22,15 @@ On NVIDIA GPUs from Hopper on, every kernel is launched under programmatic depen
 start while the kernel before it in the stream is still ending, and each of its programs waits for
 that kernel (its end and its writes) before touching memory, so a kernel's end still implies the end
 of everything before it. The launch and the programs' start overlap the kernel before instead of
-following it. The routing kernels also let the kernel after them launch as soon as their own wait is
-over: the dispatch send starts while the routing runs, and waits for it before reading its output.
-The other kernels do so where the provider launches them with PDL_EARLY (``KernelTuning``
-``early_launch_max_programs``: grids of at most that many programs).
+following it. A kernel lets the one after it launch as soon as its own wait is over where the provider
+launches it with PDL_EARLY (``KernelTuning.early_launch_max_programs``: grids of at most that many
+programs).
 ``TRTLLM_ENABLE_PDL=0`` turns programmatic launch off, as it does for FlashInfer's kernels in SGLang.
 
-The routing (each copy's destination slot) runs inside the dispatch send for small batches, so that a
-send is one launch, and in ``route_count_kernel`` and ``route_kernel`` before the send for large ones,
-where the send's extra registers cost more device time than the launches cost the host
-(docs/performance.md). Inside the send, the smallest batches route item by item, each counting the
-earlier tokens' destinations itself (``SELF_ROUTING``, ``_self_route``), and larger ones in tasks that
-number a block of tokens for one destination (``FUSED_ROUTING``, the tasks below ``route_kernel``).
+The routing (each copy's destination slot) runs inside the dispatch send, so that a send is one
+launch whatever the batch: the smallest batches route item by item, each counting the earlier tokens'
+destinations itself (``SELF_ROUTING``, ``_self_route``), and larger ones in tasks that number a block
+of tokens for one destination, run by programs of their own (``_route_tasks``; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -100,16 +97,6 @@ def _after_previous_kernel(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     if PDL == 2:  # PDL_EARLY (a plain int: the kernels read only constexpr globals)
-        gdc_launch_dependents()
-
-
-@triton.jit
-def _routing_start(PDL: tl.constexpr):
-    """Start of a routing kernel: after the kernel before it, let the kernel after it launch now. That
-    kernel waits for the routing's end before touching memory; releasing it only after the routing's
-    own wait keeps at most two grids of the stream in flight."""
-    _after_previous_kernel(PDL)
-    if PDL:
         gdc_launch_dependents()
 
 
@@ -361,27 +348,6 @@ def _block_count(
 
 
 @triton.jit
-def route_count_kernel(
-    ids_ptr,
-    block_counts_ptr,
-    num_tokens,
-    num_experts,
-    num_local_experts,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (d, b) counts the tokens of block b that go to rank d (the first pass of the routing
-    when the batch spans several blocks)."""
-    _routing_start(PDL)
-    d = tl.program_id(0)
-    b = tl.program_id(1)
-    count = _block_count(ids_ptr, d, b, num_tokens, num_experts, num_local_experts, K, KP, BLOCK_N)
-    tl.store(block_counts_ptr + d * tl.num_programs(1) + b, count)
-
-
-@triton.jit
 def _write_routes(
     ids_ptr,
     peer_bases,
@@ -438,45 +404,7 @@ def _write_routes(
         tl.store(send_counts_ptr + d, before + tl.sum(goes, 0))
 
 
-@triton.jit
-def route_kernel(
-    ids_ptr,
-    peer_bases,
-    slot_of_pair_ptr,
-    row_of_pair_ptr,
-    block_counts_ptr,
-    send_counts_ptr,
-    status_ptr,
-    num_tokens,
-    num_experts,
-    num_local_experts,
-    rank,
-    max_tokens,
-    ROW_BYTES: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCKS_P2: tl.constexpr,  # the routing blocks rounded up to a power of two (1: one block)
-    PDL: tl.constexpr,
-):
-    """Program (d, b) numbers the tokens of block b that go to rank d (``_write_routes``), after the
-    tokens of the earlier blocks (route_count_kernel's counts; one block needs no first pass)."""
-    _routing_start(PDL)
-    d = tl.program_id(0)
-    b = tl.program_id(1)
-    nb = tl.num_programs(1)
-    if BLOCKS_P2 > 1:
-        earlier = tl.arange(0, BLOCKS_P2)
-        before = tl.sum(tl.load(block_counts_ptr + d * nb + earlier, mask=earlier < b, other=0), 0).to(tl.int32)
-    else:
-        before = tl.zeros((), dtype=tl.int32)
-    _write_routes(
-        ids_ptr, peer_bases, slot_of_pair_ptr, row_of_pair_ptr, send_counts_ptr, status_ptr, d, b, before,
-        b == nb - 1, num_tokens, num_experts, num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, BLOCK_N,
-    )  # fmt: skip
-
-
-# The routing folded into the dispatch send (``FUSED_ROUTING``) is split into tasks: task ``b * W + d``
+# The routing of a batch too large to route item by item is split into tasks: task ``b * W + d``
 # numbers the tokens of block b that go to rank d. The first ROUTERS programs to start (in the order of
 # a counter they take at their start, not of their program ids) run the tasks and move no rows; every
 # later program moves rows and waits only for tasks of programs that started before it, which never
@@ -750,7 +678,6 @@ def dispatch_send_kernel(
     FP8_MAX: tl.constexpr,
     FP8: tl.constexpr,
     EMAX: tl.constexpr,
-    FUSED_ROUTING: tl.constexpr,
     SELF_ROUTING: tl.constexpr,
     ROUTE_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -771,10 +698,9 @@ def dispatch_send_kernel(
     the tokens' words and the scale rows' words whatever their dtype, f32 or 16-bit weights (sent as
     f32), int32 or int64 ids.
        With SELF_ROUTING each item numbers its own token's copies from the ids (``_self_route``) and
-    nothing waits. With FUSED_ROUTING the routing runs in this launch as tasks: the first ``routers``
-    programs to start run them (``_route_tasks``) and the others move the rows, each quantizing an item
-    before it waits for its block's routing (``_await_block``) and stores. With neither, the routing
-    kernels ran before the send.
+    nothing waits. Otherwise the routing runs as tasks: the first ``routers`` programs to start run
+    them (``_route_tasks``) and the others move the rows, each quantizing an item before it waits for
+    its block's routing (``_await_block``) and stores.
        A program loads its next item's input before it works on the current one, so that two items'
     loads are in flight: the send is bound by the bytes it keeps in flight, and the extra registers
     (99 instead of 80 per thread for fp8, 168 instead of 96 for a copy) cost less than that gains."""
@@ -783,7 +709,7 @@ def dispatch_send_kernel(
     TILE_ELEMS: tl.constexpr = TILE_GROUPS * GROUP
     first_item = tl.program_id(0)
     movers = tl.num_programs(0)  # the programs that move rows
-    if FUSED_ROUTING:
+    if not SELF_ROUTING:
         target = tl.load(round_ptr) + 1  # this send's round: the last program advances round_ptr to it
         started = tl.atomic_add(start_order_ptr, 1, sem="relaxed", scope="gpu")  # programs started before this one
         movers -= routers
@@ -871,10 +797,9 @@ def dispatch_send_kernel(
                 num_local_experts, rank, max_tokens, ROW_BYTES, K, KP, W, WP, ROUTE_CHUNK,
             )  # fmt: skip
         else:
-            if FUSED_ROUTING:  # noqa: SIM102  a constexpr test around a runtime one
-                if n // BLOCK_N > routed:
-                    routed = n // BLOCK_N
-                    _await_block(routed, target, routed_ptr, W, WP)
+            if n // BLOCK_N > routed:
+                routed = n // BLOCK_N
+                _await_block(routed, target, routed_ptr, W, WP)
             rows = tl.load(row_of_pair_ptr + n * K + k_offs, mask=k_mask, other=0)  # [KP] byte addresses
         present = rows != 0
         _store_all(rows, 0, payload_at, payload, payload_in, present, payload_at.shape[0], KP)
@@ -889,7 +814,7 @@ def dispatch_send_kernel(
         if (num_tokens == 0) & (tl.program_id(0) == 0):  # no token's item counts: nothing goes anywhere
             tl.store(send_counts_ptr + tl.arange(0, WP), tl.zeros((WP,), tl.int64), mask=tl.arange(0, WP) < W)
     if _take_ticket(tickets_ptr, 1, tl.num_programs(0)):
-        if FUSED_ROUTING:  # every program has taken its place in the start order
+        if not SELF_ROUTING:  # every program has taken its place in the start order
             tl.store(start_order_ptr, 0)
         _publish_dispatch(round_ptr, peer_bases, send_counts_ptr, counts_offset, arrivals_offset, rank, W, WP)
 

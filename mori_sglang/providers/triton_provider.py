@@ -26,7 +26,6 @@ from mori_sglang.config import FP8_TYPES, CombineDtype, ConfigError, DispatchDty
 from mori_sglang.kernels import interpreter, transport
 from mori_sglang.kernels.geometry import (
     MIN_ROUTE_TASK,
-    MIN_TILE,
     SELF_ROUTING_MAX_WORLD,
     KernelTuning,
     multiprocessors,
@@ -62,6 +61,9 @@ TICKETS = ("dispatch_send", "combine_send")
 # Polls of an earlier routing task's count before the task counts those tokens itself (on a GPU; the
 # interpreter runs programs one after another, so there it never waits).
 COUNT_SPINS = 64
+# Warps of a dispatch send program: latency-bound, many small programs keep the most rows in flight, and
+# the routing's waits read each poll as one value only within a single warp.
+SEND_WARPS = 1
 # Earlier routing blocks' counts a routing task in the send reads at once (more are read in turns).
 COUNT_LANES = 256
 # The formats whose wire rows carry no scales: their kernels tile a row in blocks of this many elements,
@@ -151,7 +153,7 @@ class SlotHandle(CombineHandle):
 
 
 class TritonProvider(EpProvider):
-    """Expert ids are range-checked by the routing kernel, on the device: no host sync per dispatch."""
+    """Expert ids are range-checked by the routing in the dispatch send, on the device: no host sync per dispatch."""
 
     name = "triton"
     display_name = "triton"
@@ -159,7 +161,7 @@ class TritonProvider(EpProvider):
         dispatch_formats=ALL_DISPATCH,
         combine_formats=OUR_COMBINE_FORMATS,
         fused_quantization=frozenset({DispatchDtype.FP8, DispatchDtype.MXFP8, DispatchDtype.MXFP4}),
-        id_checks_on_device=frozenset({"cuda", "cpu"}),  # the routing kernel, compiled or interpreted
+        id_checks_on_device=frozenset({"cuda", "cpu"}),  # the routing in the send, compiled or interpreted
         modes=ALL_MODES,
         loopback=True,
         keeps_old_handles=False,  # handles point at the op's buffers, which the next dispatch reuses
@@ -220,7 +222,7 @@ class TritonProvider(EpProvider):
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_ROUTE_TASK)  # the most a batch can span
-        # Per routing block and destination: its count (tagged with the send's round when fused), and,
+        # Per routing block and destination: its count (tagged with the send's round), and
         # for the routing inside the send, the round it finished.
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         self._routed = torch.zeros_like(self._block_counts)
@@ -313,51 +315,30 @@ class TritonProvider(EpProvider):
         self._ensure_peers()
         num_tokens = payload.shape[0]
         with_scales = scales is not None
-        route_count, route, send = self._cached(
+        send = self._cached(
             ("dispatch", num_tokens, quantize, with_scales),
-            self._dispatch_launches,
+            self._dispatch_send,
             num_tokens,
             layout,
             quantize,
             with_scales,
         )
         ids = _contiguous(ids)
-        if route_count is not None:
-            route_count(ids)
-        if route is not None:
-            route(ids)
         if with_scales:
             send(_word_aligned(payload), _contiguous(weights), ids, _word_aligned(scales))
         else:
             send(_word_aligned(payload), _contiguous(weights), ids)
         self._sent = num_tokens
 
-    def _dispatch_launches(
+    def _dispatch_send(
         self, num_tokens: int, layout: formats.DispatchRowLayout, quantize: bool, with_scales: bool
-    ) -> tuple[BoundLaunch | None, BoundLaunch | None, BoundLaunch]:
-        """The routing kernels (none when the send routes, one or two otherwise) and the send of a
-        batch of ``num_tokens``."""
+    ) -> BoundLaunch:
+        """The send of a batch of ``num_tokens``, which routes it too: item by item, or in tasks of
+        ``route_block`` tokens for one destination run by programs of their own."""
         cfg = self.config
         self_routed = num_tokens <= self._tuning.self_routing_max_tokens and cfg.world_size <= SELF_ROUTING_MAX_WORLD
-        fused = not self_routed and num_tokens <= self._tuning.fused_routing_max_tokens
-        most = self._tuning.fused_route_block if fused else self._tuning.route_block
-        route_block = min(most, max(triton.next_power_of_2(num_tokens), MIN_ROUTE_TASK if fused else MIN_TILE))
+        route_block = min(self._tuning.route_block, max(triton.next_power_of_2(num_tokens), MIN_ROUTE_TASK))
         blocks = max(1, triton.cdiv(num_tokens, route_block))
-        experts = {"num_tokens": num_tokens, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_local_experts}
-        routes = {
-            "peer_bases": self.arena.peer_bases,
-            "slot_of_pair_ptr": self._slot_of_pair,
-            "row_of_pair_ptr": self._row_of_pair,
-            "block_counts_ptr": self._block_counts,
-            "send_counts_ptr": self.send_counts,
-            "status_ptr": self._status.flags,
-            **experts,
-            "rank": cfg.rank,
-            "max_tokens": cfg.max_tokens_per_rank,
-        }
-        route_count = route = None
-        if not (fused or self_routed):
-            route_count, route = self._routing_launches(blocks, route_block, routes, layout)
         if quantize:  # a tile is whole scale groups of the format's row in the table
             fmt = wire_formats.DISPATCH_BY_NAME[cfg.dispatch_dtype.value]
             quant, group = fmt.kernel_code, fmt.scale_group
@@ -368,7 +349,17 @@ class TritonProvider(EpProvider):
             quant, group, tile_groups = QUANT_NONE, 1, 1
             tiles = triton.cdiv(_words(layout.token_bytes), self._tuning.copy_block)
         fixed = {
-            **routes,
+            "peer_bases": self.arena.peer_bases,
+            "slot_of_pair_ptr": self._slot_of_pair,
+            "row_of_pair_ptr": self._row_of_pair,
+            "block_counts_ptr": self._block_counts,
+            "send_counts_ptr": self.send_counts,
+            "status_ptr": self._status.flags,
+            "num_tokens": num_tokens,
+            "num_experts": cfg.num_experts,
+            "num_local_experts": cfg.num_local_experts,
+            "rank": cfg.rank,
+            "max_tokens": cfg.max_tokens_per_rank,
             "routed_ptr": self._routed,
             "start_order_ptr": self._start_order,
             "tickets_ptr": self._ticket("dispatch_send"),
@@ -378,8 +369,8 @@ class TritonProvider(EpProvider):
         }
         if not with_scales:
             fixed["scales_ptr"] = self._no_scales
-        # A send that routes has programs that run the routing tasks, and move no rows.
-        (routers,) = self._grid(self._tuning.route_programs_per_sm, blocks * cfg.world_size) if fused else (0,)
+        # A send that routes in tasks has programs that run them, and move no rows.
+        (routers,) = (0,) if self_routed else self._grid(self._tuning.route_programs_per_sm, blocks * cfg.world_size)
         fixed["routers"] = routers
         (movers,) = self._grid(self._tuning.send_programs_per_sm, num_tokens * tiles)
         send = self._bind(
@@ -401,53 +392,17 @@ class TritonProvider(EpProvider):
                 "FP8_MAX": formats.fp8_max(self.fp8_dtype),
                 "FP8": self.triton_fp8_type,
                 "EMAX": formats.mx_emax(cfg.dispatch_dtype, self.fp8_dtype),
-                "FUSED_ROUTING": fused,
                 "SELF_ROUTING": self_routed,
                 "ROUTE_CHUNK": min(self._tuning.self_route_chunk, triton.next_power_of_2(max(num_tokens, 1))),
                 "BLOCK_N": route_block,
                 "LANES": min(triton.next_power_of_2(blocks), COUNT_LANES),
                 "COUNT_SPINS": COUNT_SPINS if self._sms else 0,
                 "enable_fp_fusion": False,
-                "num_warps": self._tuning.send_warps,
+                "num_warps": SEND_WARPS,
             },
             ("x_ptr", "weights_ptr", "ids_ptr", "scales_ptr") if with_scales else ("x_ptr", "weights_ptr", "ids_ptr"),
         )
-        return route_count, route, send
-
-    def _routing_launches(
-        self, blocks: int, route_block: int, routes: dict[str, object], layout: formats.DispatchRowLayout
-    ) -> tuple[BoundLaunch | None, BoundLaunch]:
-        """The routing kernels before a send that does not route: programs (destination, block of
-        tokens); a batch of several blocks counts per block first."""
-        cfg = self.config
-        route_meta = {
-            "K": cfg.topk,
-            "KP": triton.next_power_of_2(cfg.topk),
-            "BLOCK_N": route_block,
-            "num_warps": max(1, min(self._tuning.route_warps, route_block // MIN_TILE)),
-        }
-        experts = {name: routes[name] for name in ("num_tokens", "num_experts", "num_local_experts")}
-        route_count = None
-        if blocks > 1:
-            route_count = self._bind(
-                transport.route_count_kernel,
-                (cfg.world_size, blocks),
-                {"block_counts_ptr": self._block_counts, **experts},
-                route_meta,
-                ("ids_ptr",),
-            )
-        route = self._bind(
-            transport.route_kernel,
-            (cfg.world_size, blocks),
-            routes,
-            {
-                **route_meta,
-                "ROW_BYTES": layout.row_bytes,
-                "BLOCKS_P2": triton.next_power_of_2(blocks) if blocks > 1 else 1,
-            },
-            ("ids_ptr",),
-        )
-        return route_count, route
+        return send
 
     def _row_meta(self, layout: formats.DispatchRowLayout) -> dict[str, int]:
         """Where each section of a packed dispatch row starts, in words, for the send and receive kernels."""

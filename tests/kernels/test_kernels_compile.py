@@ -10,8 +10,8 @@ copy several times slower once, so it fails here.
 
 The launches are recorded without programmatic dependent launch (the interpreter cannot run it) and
 compiled for sm_90 a second time with it, as a Hopper GPU launches them: each kernel must wait for the
-kernel before it ahead of its first global memory access, and only the routing kernels may let the
-kernel after them launch early.
+kernel before it ahead of its first global memory access, and only a kernel launched with PDL_EARLY may
+let the kernel after it launch early.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from tests.helpers import routing_tuning
 
 REPO = Path(__file__).resolve().parents[2]
 KERNELS = [
-    "route_count_kernel",
-    "route_kernel",
     "dispatch_send_kernel",
     "dispatch_recv_kernel",
     "combine_send_kernel",
@@ -106,7 +104,7 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 def _step(cfg: EpConfig, tokens: list[int], routing: str) -> None:
     world = LoopbackWorld(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    # Routing blocks of 64 tokens, so that a 65-token batch spans two (and several tasks of 16 in the send).
+    # Routing tasks of 64 tokens, so that a 65-token batch spans two blocks.
     world.set_kernel_tuning(routing_tuning(routing, max(tokens), route_block=64))
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(world.device) for n in tokens]
@@ -153,9 +151,8 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
         cfg = EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=65, dispatch_dtype=dispatch, combine_dtype=combine,
                        mode=Mode.INTRANODE, provider="triton", fp8_dtype=torch.float8_e4m3fn)  # fmt: skip
         _step(cfg, [65 if i == 0 else 1] + [1] * 7, "self")
-        if i == 0:  # the routing tasks in the send, and the routing kernels (two passes) of one that does not route
+        if i == 0:  # the routing tasks in the send
             _step(cfg, [65] + [1] * 7, "tasks")
-            _step(cfg, [65] + [1] * 7, "kernels")
     monkeypatch.undo()
     unique = [json.loads(u) for u in sorted({json.dumps(launch, sort_keys=True) for launch in launches})]
     assert {s["kernel"] for s in unique} == set(KERNELS)
@@ -181,13 +178,11 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
     assert report["compiled"] == sum(len(v) for v in specs.values())
     narrow = [f"{k}: {v}" for k, v in report["byte_wide"].items() if k.split(" ")[0] in ROW_COPIES and v]
     assert not narrow, "byte-wide global accesses in sm_90 row copies:\n" + "\n".join(narrow)
-    # Every kernel waits for the one before it; the routing, and any kernel launched with PDL_EARLY, lets
-    # the next one launch early.
+    # Every kernel waits for the one before it; a kernel launched with PDL_EARLY lets the next one launch
+    # early.
     controls = list(report["grid_control"].values())
     assert [c["instructions"] for c in controls[: len(unique)]] == [[]] * len(unique)
     for spec, control in zip(hopper, controls[len(unique) :], strict=True):
-        early = (
-            spec["kernel"] in ("route_count_kernel", "route_kernel") or spec["constants"]["PDL"] == transport.PDL_EARLY
-        )
+        early = spec["constants"]["PDL"] == transport.PDL_EARLY
         assert control["instructions"] == (["launch_dependents", "wait"] if early else ["wait"]), spec["kernel"]
         assert control["waits_first"], f"{spec['kernel']} touches global memory before its grid wait"

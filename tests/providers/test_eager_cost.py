@@ -1,10 +1,9 @@
 """What an eager step of the Triton provider costs the host, counted rather than timed: one kernel
-launch per call (the dispatch send routes in its own launch; past ``self_routing_max_tokens`` and
-``fused_routing_max_tokens`` the routing kernels run before it, with a count pass for a batch of several
-routing blocks), and, once a batch size has been seen, no torch operation at all in any call (no
-allocation, dtype conversion, contiguous copy, view or read of a device value), in every mode and wire
-format, at hidden 256 and 2880, for int32 and int64 ids. The benchmark's ``--eager`` flag times the
-same steps on a GPU.
+launch per call whatever the batch (the dispatch send routes in its own launch, item by item up to
+``self_routing_max_tokens`` and in routing tasks past it, over one routing block or several), and, once
+a batch size has been seen, no torch operation at all in any call (no allocation, dtype conversion,
+contiguous copy, view or read of a device value), in every mode and wire format, at hidden 256 and
+2880, for int32 and int64 ids. The benchmark's ``--eager`` flag times the same steps on a GPU.
 """
 
 from __future__ import annotations
@@ -34,11 +33,8 @@ BATCHES = (3, 70)
 CALLS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
-def _launches_per_call(num_tokens: int, routed_in_send_up_to: int) -> dict[str, int]:
-    """One kernel per call; past the batch size the send routes itself, the routing kernels (two passes
-    past one block) and the send."""
-    routing = 0 if num_tokens <= routed_in_send_up_to else 1 if num_tokens <= ROUTE_BLOCK else 2
-    return {"dispatch_send": routing + 1, "dispatch_recv": 1, "combine_send": 1, "combine_recv": 1}
+# One kernel per call, whatever the routing and the batch size.
+LAUNCHES_PER_CALL = dict.fromkeys(CALLS, 1)
 
 
 # Kernels running now: the interpreter's own tensor work inside a launch is not the provider's.
@@ -162,7 +158,7 @@ def _recorded_step(
 
 
 @pytest.mark.parametrize(
-    ("routing", "routed_in_send_up_to"), [("self", CAPACITY), ("self", BATCHES[0]), ("tasks", CAPACITY), ("kernels", 0)]
+    ("routing", "routed_in_send_up_to"), [("self", CAPACITY), ("self", BATCHES[0]), ("tasks", CAPACITY)]
 )
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", [Mode.LOW_LATENCY, Mode.INTRANODE])
@@ -172,7 +168,7 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(mode))
     world.set_kernel_tuning(
-        routing_tuning(routing, routed_in_send_up_to, route_block=ROUTE_BLOCK, fused_route_block=ROUTE_BLOCK)
+        routing_tuning(routing, routed_in_send_up_to, route_block=ROUTE_BLOCK)
     )
     reference = LoopbackWorld(_config(mode, Provider.TORCH))
     for n in BATCHES:  # the first step of a batch size binds its launches and views
@@ -180,26 +176,35 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
     for n in (*BATCHES, BATCHES[0]):
         batches = [_inputs(n, gen, ids_dtype) for _ in range(WORLD)]
         record = _recorded_step(world, reference, batches, _expert_outputs(gen), kernel_runs)
-        expected = _launches_per_call(n, routed_in_send_up_to)
-        assert record.launches == {(call, r): expected[call] for call in CALLS for r in range(WORLD)}, n
+        assert record.launches == {(call, r): LAUNCHES_PER_CALL[call] for call in CALLS for r in range(WORLD)}, n
         assert not any(record.ops.values()), (n, {k: v for k, v in record.ops.items() if v})
         assert sum(op.provider.launch_count() for op in world.ops) == sum(kernel_runs.values())
 
 
-def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter) -> None:
-    """Launches bound under the default tuning (the routing inside the send: one launch) give way to a
-    tuning set after them (separate routing in blocks of 64 tokens: two passes over 70 tokens, then the
-    send), with the same results as the torch provider."""
+def test_kernel_tuning_applies_from_the_next_call(kernel_runs: Counter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches bound under the default tuning (70 tokens route item by item in the send) give way to a
+    tuning set after them (routing tasks of 64 tokens: two blocks), still one launch per send, with the
+    same results as the torch provider."""
+    send = transport.dispatch_send_kernel
+    item_by_item: list[bool] = []
+
+    def noted(*args, _run=send.run, **kwargs):
+        item_by_item.append(kwargs["SELF_ROUTING"])
+        return _run(*args, **kwargs)
+
+    monkeypatch.setattr(send, "run", noted)
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(Mode.LOW_LATENCY))
     reference = LoopbackWorld(_config(Mode.LOW_LATENCY, Provider.TORCH))
     n = BATCHES[1]
-    for send_launches, tuning in ((1, None), (3, routing_tuning("kernels", 0, route_block=ROUTE_BLOCK))):
+    for self_routed, tuning in ((True, None), (False, routing_tuning("tasks", 0, route_block=ROUTE_BLOCK))):
         if tuning is not None:
             world.set_kernel_tuning(tuning)
+        item_by_item.clear()
         batches = [_inputs(n, gen, torch.int32) for _ in range(WORLD)]
         record = _recorded_step(world, reference, batches, _expert_outputs(gen), kernel_runs)
-        assert [record.launches[("dispatch_send", r)] for r in range(WORLD)] == [send_launches] * WORLD
+        assert [record.launches[("dispatch_send", r)] for r in range(WORLD)] == [1] * WORLD
+        assert item_by_item == [self_routed] * WORLD
 
 
 # Every dispatch format and every combine format of ours, each pair in every mode.

@@ -236,9 +236,8 @@ def test_rounds_reuse_buffers_without_reset(rng: random.Random) -> None:
 
 @pytest.mark.parametrize("routing", ROUTING_REGIMES)
 def test_routing_over_several_blocks_numbers_tokens_across_blocks(routing: str, rng: random.Random) -> None:
-    """Batches wider than a routing block, task or chunk: the routing kernels' two passes (count per
-    block, then number), tasks that wait for earlier blocks' counts, items that count several chunks of
-    earlier tokens."""
+    """Batches wider than a routing task or chunk: tasks that wait for earlier blocks' counts (or count
+    them themselves), items that count several chunks of earlier tokens."""
     max_tokens = 200
     worlds = {}
     for provider in ("torch", "triton"):
@@ -277,7 +276,7 @@ def test_every_routing_numbers_the_same_slots(routing: str, ids_dtype: torch.dty
 @pytest.mark.parametrize("world_size", [40, 65])
 def test_worlds_of_more_than_32_and_64_ranks_route_alike(world_size: int, rng: random.Random) -> None:
     """A token's destinations fit a 64-bit word per token from 33 ranks on; past 64 ranks the send
-    does not route item by item, and the routing kernels number the same slots."""
+    does not route item by item, and its routing tasks number the same slots."""
     worlds = {
         provider: LoopbackWorld(
             EpConfig(world_size, 0, 64, 2 * world_size, 6, max_tokens_per_rank=5, provider=provider), DEVICE
@@ -353,7 +352,7 @@ def test_stalled_peer_raises_timeout_naming_it_and_the_world_recovers() -> None:
 
 
 def test_expert_id_out_of_range_is_an_error_without_a_host_sync() -> None:
-    """The routing kernel range-checks ids on the device; the op raises at its next status check."""
+    """The dispatch send range-checks ids on the device; the op raises at its next status check."""
     cfg = _config(2, provider="triton")
     world = LoopbackWorld(cfg, DEVICE)
     xs, weights, ids = _inputs(cfg, [3, 2], seed=11)

@@ -158,5 +158,5 @@ def test_tuning_sweep_names_the_fields_it_accepts(tmp_path: Path) -> None:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "warp_count is not a KernelTuning field" in done.stderr and "send_warps" in done.stderr
+    assert "warp_count is not a KernelTuning field" in done.stderr and "recv_warps" in done.stderr
     assert "Traceback" not in done.stderr
