@@ -167,9 +167,7 @@ def test_each_call_launches_its_kernels_and_runs_no_torch_op(
 ) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     world = LoopbackWorld(_config(mode))
-    world.set_kernel_tuning(
-        routing_tuning(routing, routed_in_send_up_to, route_block=ROUTE_BLOCK)
-    )
+    world.set_kernel_tuning(routing_tuning(routing, routed_in_send_up_to, route_block=ROUTE_BLOCK))
     reference = LoopbackWorld(_config(mode, Provider.TORCH))
     for n in BATCHES:  # the first step of a batch size binds its launches and views
         _step(world, [_inputs(n, gen, ids_dtype) for _ in range(WORLD)], _expert_outputs(gen))
