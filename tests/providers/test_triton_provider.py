@@ -249,6 +249,27 @@ def test_routing_over_several_blocks_numbers_tokens_across_blocks(routing: str, 
         _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
 
 
+def test_routing_tasks_read_earlier_counts_in_turns_and_leave_no_counter_set(
+    monkeypatch: pytest.MonkeyPatch, rng: random.Random
+) -> None:
+    """Routing tasks of 16 tokens over batches of up to 13 blocks, earlier blocks' counts read two at a
+    time (past 4096 tokens a task reads them in turns of 256): the slots are the torch provider's, and
+    after every step the start order and the tickets are back to 0 for the next launch."""
+    monkeypatch.setattr(triton_provider, "COUNT_LANES", 2)
+    max_tokens = 200
+    worlds = {}
+    for provider in ("torch", "triton"):
+        cfg = replace(_config(world=2, provider=provider), max_tokens_per_rank=max_tokens)
+        worlds[provider] = LoopbackWorld(cfg, DEVICE)
+    worlds["triton"].set_kernel_tuning(routing_tuning("tasks", 0, route_block=16))
+    for counts in ([max_tokens, 33], [rng.randint(1, max_tokens), 0]):
+        inputs = _inputs(worlds["torch"].ops[0].config, counts, rng.randrange(1 << 30))
+        _assert_same(_step(worlds["torch"], *inputs), _step(worlds["triton"], *inputs), 0)
+        for op in worlds["triton"].ops:
+            assert not op.provider._start_order.any()
+            assert not op.provider._tickets.any()
+
+
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("routing", ROUTING_REGIMES)
 def test_every_routing_numbers_the_same_slots(routing: str, ids_dtype: torch.dtype, rng: random.Random) -> None:
