@@ -405,7 +405,7 @@ def _write_routes(
 
 
 # The routing of a batch too large to route item by item is split into tasks: task ``b * W + d``
-# numbers the tokens of block b that go to rank d. The first ROUTERS programs to start (in the order of
+# numbers the tokens of block b that go to rank d. The first ``routers`` programs to start (in the order of
 # a counter they take at their start, not of their program ids) run the tasks and move no rows; every
 # later program moves rows and waits only for tasks of programs that started before it, which never
 # wait without bound: the send makes progress however the GPU schedules its programs (in Triton's

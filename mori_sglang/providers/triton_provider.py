@@ -222,11 +222,11 @@ class TritonProvider(EpProvider):
         self.recv_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         self.send_counts = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         route_blocks = triton.cdiv(config.max_tokens_per_rank, MIN_ROUTE_TASK)  # the most a batch can span
-        # Per routing block and destination: its count (tagged with the send's round), and
-        # for the routing inside the send, the round it finished.
+        # Per routing task (block and destination): its count and the round whose numbering it finished,
+        # both tagged with the send's round, so never reset.
         self._block_counts = torch.zeros(config.world_size * route_blocks, dtype=torch.int64, device=device)
         self._routed = torch.zeros_like(self._block_counts)
-        # The programs of the running send that routes that have started, back to 0 at its end.
+        # The programs of the running send (routing in tasks) that have started, back to 0 at its end.
         self._start_order = torch.zeros(1, dtype=torch.int32, device=device)
         # Each copy's slot (for the combine) and destination row address (for the send right after the
         # routing), made by the routing; a dispatch's handle views the first rows.
@@ -348,6 +348,9 @@ class TritonProvider(EpProvider):
         else:  # a tile is words to copy, whatever the format: no groups
             quant, group, tile_groups = QUANT_NONE, 1, 1
             tiles = triton.cdiv(_words(layout.token_bytes), self._tuning.copy_block)
+        # A send that routes in tasks has programs that run them, and move no rows.
+        (routers,) = (0,) if self_routed else self._grid(self._tuning.route_programs_per_sm, blocks * cfg.world_size)
+        (movers,) = self._grid(self._tuning.send_programs_per_sm, num_tokens * tiles)
         fixed = {
             "peer_bases": self.arena.peer_bases,
             "slot_of_pair_ptr": self._slot_of_pair,
@@ -366,13 +369,10 @@ class TritonProvider(EpProvider):
             "round_ptr": self.rounds[0],
             "counts_offset": self.arena_layout.counts_offset,
             "arrivals_offset": self.arena_layout.dispatch_arrivals_offset,
+            "routers": routers,
         }
         if not with_scales:
             fixed["scales_ptr"] = self._no_scales
-        # A send that routes in tasks has programs that run them, and move no rows.
-        (routers,) = (0,) if self_routed else self._grid(self._tuning.route_programs_per_sm, blocks * cfg.world_size)
-        fixed["routers"] = routers
-        (movers,) = self._grid(self._tuning.send_programs_per_sm, num_tokens * tiles)
         send = self._bind(
             transport.dispatch_send_kernel,
             (routers + movers,),
