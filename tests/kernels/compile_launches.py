@@ -8,14 +8,8 @@ import json
 import re
 import sys
 
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from mori_sglang.tools.launch_specs import TARGETS, compile_launch
 
-from mori_sglang.kernels import transport
-
-TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 BYTE_WIDE = re.compile(r"\b(?:ld|st)\.global(?:\.\w+)*\.[bsu]8\b")
 GRID_CONTROL = re.compile(r"\bgriddepcontrol\.(\w+)")
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st|atom|red)\.(?:\w+\.)*global\b")
@@ -29,15 +23,6 @@ def grid_control(ptx: str) -> dict:
         "instructions": sorted(set(GRID_CONTROL.findall(ptx))),
         "waits_first": wait >= 0 and (access is None or wait < access.start()),
     }
-
-
-def compile_launch(spec: dict, target: GPUTarget):
-    fn = getattr(transport, spec["kernel"])
-    constants = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v for k, v in spec["constants"].items()}
-    names = list(fn.arg_names)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec["aligned"]}
-    source = ASTSource(fn=fn, signature=spec["signature"], constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=target, options=spec["options"])
 
 
 def main(path: str) -> None:
