@@ -507,6 +507,13 @@ def _route_tasks(
 
 
 @triton.jit
+def _late_tasks(routed_ptr, tasks, lanes, target):
+    """How many of ``tasks`` have not yet finished routing round ``target`` (a plain poll)."""
+    routed = tl.load(routed_ptr + tasks, mask=lanes, other=0, volatile=True)
+    return tl.sum((lanes & (routed < target)).to(tl.int32), 0)
+
+
+@triton.jit
 def _await_block(b, target, routed_ptr, W: tl.constexpr, WP: tl.constexpr):
     """Return once every task of block b is routed. The tasks' routers started before this program and
     wait for nothing without bound. The send runs one warp per program, which reads each poll as one
@@ -514,9 +521,11 @@ def _await_block(b, target, routed_ptr, W: tl.constexpr, WP: tl.constexpr):
     w_offs = tl.arange(0, WP)
     lanes = w_offs < W
     tasks = b * W + w_offs
-    late = lanes & (tl.load(routed_ptr + tasks, mask=lanes, other=0, volatile=True) < target)
-    while tl.max(late.to(tl.int32), 0) > 0:
-        late = lanes & (tl.load(routed_ptr + tasks, mask=lanes, other=0, volatile=True) < target)
+    # The loop carries a scalar: a loop-carried [WP] mask of 32 lanes or more in a one-warp program
+    # crashes Triton's layout pass (3.6 and 3.7, sm_90).
+    late = _late_tasks(routed_ptr, tasks, lanes, target)
+    while late > 0:
+        late = _late_tasks(routed_ptr, tasks, lanes, target)
     tl.atomic_add(routed_ptr + tasks, 0, mask=lanes, sem="acquire", scope="gpu")  # the tasks' stores first
     tl.debug_barrier()  # every thread of the program reads the routing after the acquire
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -42,6 +43,7 @@ class Usage:
     """One kernel of one step, compiled for one target."""
 
     kernel: str
+    world: int
     tokens: int
     dispatch_dtype: str
     combine_dtype: str
@@ -76,13 +78,14 @@ def as_target_launch(spec: dict, target: str) -> dict:
 
 
 def record(args: argparse.Namespace) -> list[dict]:
-    """Every batch's distinct launches, each spec with the batch it came from (``tokens``, dtypes)."""
+    """Every batch's distinct launches, each spec with the batch it came from (ranks, tokens, dtypes)."""
     recorded = []
-    for tokens in args.tokens:
+    for world, tokens in itertools.product(args.world, args.tokens):
+        experts = args.local_experts * world if args.local_experts else args.experts
         for dispatch in map(DispatchDtype, args.dispatch_dtype):
             for combine in map(CombineDtype, args.combine_dtype):
                 cfg = EpConfig(
-                    args.world, 0, args.hidden, args.experts, args.topk, max_tokens_per_rank=tokens,
+                    world, 0, args.hidden, experts, args.topk, max_tokens_per_rank=tokens,
                     dispatch_dtype=dispatch, combine_dtype=combine, mode=Mode.LOW_LATENCY, provider="triton",
                     fp8_dtype=torch.float8_e4m3fn,
                 )  # fmt: skip
@@ -91,7 +94,12 @@ def record(args: argparse.Namespace) -> list[dict]:
                     tuning = dataclasses.replace(
                         tuning, self_routing_max_tokens=tokens if args.routing == "self" else 0
                     )
-                batch = {"tokens": tokens, "dispatch_dtype": dispatch.value, "combine_dtype": combine.value}
+                batch = {
+                    "world": world,
+                    "tokens": tokens,
+                    "dispatch_dtype": dispatch.value,
+                    "combine_dtype": combine.value,
+                }
                 recorded += [{"batch": batch, "spec": spec} for spec in record_step(cfg, tokens, tuning)]
     return recorded
 
@@ -103,7 +111,9 @@ def recorded_in_interpreter(argv: list[str]) -> list[dict]:
         path = Path(folder) / "launches.json"
         env = {**os.environ, interpreter.INTERPRET_ENV: "1"}
         command = [sys.executable, "-m", "mori_sglang.tools.registers", *argv, "--record-to", str(path)]
-        subprocess.run(command, env=env, check=True)
+        done = subprocess.run(command, env=env)
+        if done.returncode:  # the child printed why
+            raise SystemExit(f"registers: recording the launches failed (exit status {done.returncode})")
         return json.loads(path.read_text())
 
 
@@ -127,13 +137,13 @@ def measure(recorded: list[dict], targets: list[str]) -> list[Usage]:
 
 def markdown(rows: list[Usage]) -> str:
     lines = [
-        "| kernel | tokens/rank | dispatch | combine | send routing | target | registers/thread | spilled |",
-        "| --- | ---: | --- | --- | --- | --- | ---: | ---: |",
+        "| kernel | ranks | tokens/rank | dispatch | combine | send routing | target | registers/thread | spilled |",
+        "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r.kernel} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | {r.routing} | {r.target} "
-            f"| {r.registers} | {r.spilled} |"
+            f"| {r.kernel} | {r.world} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | {r.routing} "
+            f"| {r.target} | {r.registers} | {r.spilled} |"
         )
     return "\n".join(lines)
 
@@ -144,7 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=cli.positive_int, default=7168)
     parser.add_argument("--topk", type=cli.positive_int, default=8)
     parser.add_argument("--experts", type=cli.positive_int, default=256)
-    parser.add_argument("--world", "--world-size", type=cli.positive_int, default=8, help="ranks")
+    parser.add_argument(
+        "--local-experts", type=cli.positive_int, help="experts per rank, for every world (for --experts)"
+    )
+    parser.add_argument("--world", "--world-size", type=cli.positive_int, nargs="+", default=[8], help="ranks")
     parser.add_argument(
         "--dispatch-dtype", nargs="+", default=[DispatchDtype.FP8.value], choices=[d.value for d in DispatchDtype]
     )

@@ -1,8 +1,10 @@
 """The register report compiles every kernel of a step for both GPU targets, on any machine, and says
-how the send routes each batch."""
+how the send routes each batch: over worlds of every width of the send's rank lanes, so that a kernel
+Triton cannot compile for some world fails here rather than on a GPU."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mori_sglang.kernels import interpreter
-from mori_sglang.kernels.geometry import KernelTuning
+from mori_sglang.kernels.geometry import SELF_ROUTING_MAX_WORLD, KernelTuning
 from mori_sglang.tools import registers
 from mori_sglang.tools.launch_specs import KERNELS
 
@@ -21,28 +23,37 @@ REPO = Path(__file__).resolve().parents[2]
 MOST_REGISTERS = {"sm_90": 255, "gfx942": 512}
 
 
+# Worlds whose rank lanes fill part of a warp, a whole one, two and four (the send runs one warp); past
+# SELF_ROUTING_MAX_WORLD ranks even a one-token batch routes in tasks.
+WORLDS = (2, 33, 65, 128)
+
+
 @pytest.mark.slow
-def test_every_kernel_of_each_batch_compiles_for_both_targets(tmp_path: Path) -> None:
-    small, large = 1, KernelTuning().self_routing_max_tokens + 1
+def test_every_kernel_compiles_for_both_targets_in_every_world_and_routing(tmp_path: Path) -> None:
+    small, large = 1, 40  # one token; three routing blocks
+    assert large > KernelTuning().route_block * 2
     out = tmp_path / "registers.json"
-    shape = ["--hidden", "256", "--experts", "16", "--topk", "4", "--world", "4"]
+    shape = ["--hidden", "256", "--local-experts", "4", "--topk", "6", "--world", *map(str, WORLDS)]
     command = [sys.executable, "-m", "mori_sglang.tools.registers", "--tokens", str(small), str(large), *shape]
-    command += ["--dispatch-dtype", "fp8", "fp4", "--target", "sm_90", "gfx942", "--json", str(out)]
+    command += ["--dispatch-dtype", "fp8", "bf16", "--target", "sm_90", "gfx942", "--json", str(out)]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())
-    batches = {(r["tokens"], r["dispatch_dtype"], r["target"]) for r in rows}
-    assert batches == {(t, d, g) for t in (small, large) for d in ("fp8", "fp4") for g in ("sm_90", "gfx942")}
-    for tokens, dispatch, target in batches:
-        of_batch = [r for r in rows if (r["tokens"], r["dispatch_dtype"], r["target"]) == (tokens, dispatch, target)]
+    batches = {(r["world"], r["tokens"], r["dispatch_dtype"], r["target"]) for r in rows}
+    assert batches == set(itertools.product(WORLDS, (small, large), ("fp8", "bf16"), ("sm_90", "gfx942")))
+    for batch in batches:
+        of_batch = [r for r in rows if (r["world"], r["tokens"], r["dispatch_dtype"], r["target"]) == batch]
         assert sorted(r["kernel"] for r in of_batch) == sorted(KERNELS)
+        world, tokens, _, target = batch
+        self_routed = tokens <= KernelTuning().self_routing_max_tokens and world <= SELF_ROUTING_MAX_WORLD
         for r in of_batch:
             assert 0 < r["registers"] <= MOST_REGISTERS[target], r
             assert r["spilled"] >= 0, r
-            expected = ("self" if tokens == small else "tasks") if r["kernel"] == "dispatch_send_kernel" else "-"
+            expected = ("self" if self_routed else "tasks") if r["kernel"] == "dispatch_send_kernel" else "-"
             assert r["routing"] == expected, r
-    assert "| dispatch_send_kernel | 1 | fp8 | bf16 | self | sm_90 |" in done.stdout
+    assert "| dispatch_send_kernel | 2 | 1 | fp8 | bf16 | self | sm_90 |" in done.stdout
+    assert "| dispatch_send_kernel | 65 | 1 | fp8 | bf16 | tasks | gfx942 |" in done.stdout
 
 
 def test_refuses_to_run_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,4 +73,5 @@ def test_the_send_routes_as_asked() -> None:
         assert sorted(e["spec"]["kernel"] for e in recorded) == sorted(KERNELS)
         sends = [e["spec"] for e in recorded if e["spec"]["kernel"] == "dispatch_send_kernel"]
         assert [bool(s["constants"]["SELF_ROUTING"]) for s in sends] == [self_routed]
-        assert all(e["batch"] == {"tokens": 3, "dispatch_dtype": "fp8", "combine_dtype": "bf16"} for e in recorded)
+        batch = {"world": 4, "tokens": 3, "dispatch_dtype": "fp8", "combine_dtype": "bf16"}
+        assert all(e["batch"] == batch for e in recorded)
