@@ -172,6 +172,34 @@ def test_tokens_of_several_tiles_are_bit_identical_too(
     _assert_same(runs[0], runs[1], world.ops[0].scale_bytes)
 
 
+# Serving batches: hundreds to thousands of tokens per rank, routed in tasks over many blocks, one
+# rank at the full batch and the others short of it.
+LARGE_BATCHES = [
+    (4096, DispatchDtype.FP8, CombineDtype.BF16, Mode.LOW_LATENCY),
+    (1000, DispatchDtype.BF16, CombineDtype.FP8_BLOCKWISE, Mode.INTRANODE),
+    (2048, DispatchDtype.MXFP4, CombineDtype.BF16, Mode.LOW_LATENCY),
+    (4096, DispatchDtype.MXFP8, CombineDtype.FP8_DIRECT_CAST, Mode.INTRANODE),
+    (777, DispatchDtype.FP8, CombineDtype.FP8_BLOCKWISE_NATIVE, Mode.LOW_LATENCY),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: Triton's interpreter takes hours over thousands of tokens")
+@pytest.mark.parametrize(("tokens", "dispatch", "combine", "mode"), LARGE_BATCHES)
+def test_serving_batches_are_bit_identical_to_torch_provider(
+    tokens: int, dispatch: DispatchDtype, combine: CombineDtype, mode: Mode, rng: random.Random
+) -> None:
+    seed = rng.randrange(1 << 30)
+    counts = [rng.randint(tokens // 2, tokens) for _ in range(WORLD)]
+    counts[seed % WORLD] = tokens
+    runs = {}
+    for provider in ("torch", "triton"):
+        cfg = _config(dispatch_dtype=dispatch, combine_dtype=combine, mode=mode, provider=provider)
+        world = LoopbackWorld(replace(cfg, max_tokens_per_rank=tokens), DEVICE)
+        runs[provider] = (world, _step(world, *_inputs(world.ops[0].config, counts, seed)))
+    world, got = runs["triton"]
+    _assert_same(runs["torch"][1], got, world.ops[0].scale_bytes)
+
+
 def test_the_dispatch_receive_keeps_about_32_kib_of_rows_in_flight_per_sm() -> None:
     """Its programs per SM follow the row size (the values measured best on an H200), as powers of two
     within DISPATCH_RECV_PROGRAMS_PER_SM."""
