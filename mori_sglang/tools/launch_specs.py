@@ -14,6 +14,7 @@ Launches recorded in the CPU interpreter carry the interpreter's constants (the 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import subprocess
 import tempfile
@@ -103,7 +104,7 @@ def unique(specs: list[dict]) -> list[dict]:
     """The distinct specs, in the order they first appear."""
     seen: dict[str, dict] = {}
     for spec in specs:
-        seen.setdefault(repr(sorted(spec.items())), spec)
+        seen.setdefault(json.dumps(spec, sort_keys=True), spec)
     return list(seen.values())
 
 

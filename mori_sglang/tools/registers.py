@@ -6,9 +6,12 @@ read from the compiled code on any machine, GPU or not.
 A kernel's registers per thread decide how many of its programs share a multiprocessor, so a change
 that adds code to a path only some batches take (the routing inside the send, say) can slow every batch:
 this shows it before a GPU runs. Each batch is one low-latency step of a loopback world's rank 0 whose
-launches are recorded without running them (``mori_sglang.tools.launch_specs``) and compiled for each target as its GPU
-would launch them. ``--routing`` picks how the send routes (by default as the provider would for the
-batch). Compiling needs Triton's compiler, not its interpreter: run it without ``TRITON_INTERPRET=1``.
+launches are recorded without running them (``mori_sglang.tools.launch_specs``) and compiled for each
+target as its GPU would launch them. ``--routing`` picks how the send routes (by default as the
+provider would for the batch; worlds of more than ``SELF_ROUTING_MAX_WORLD`` ranks always route in
+tasks). Rows print to
+stderr as they compile, and the table to stdout at the end. Compiling needs Triton's compiler, not
+its interpreter: run it without ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from pathlib import Path
 import torch
 
 from mori_sglang import cli
-from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode
 from mori_sglang.kernels import interpreter, transport
-from mori_sglang.kernels.geometry import KernelTuning
+from mori_sglang.kernels.geometry import SELF_ROUTING_MAX_WORLD, KernelTuning
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers.triton_provider import COUNT_SPINS
 from mori_sglang.tools import launch_specs
@@ -77,31 +80,33 @@ def as_target_launch(spec: dict, target: str) -> dict:
     return launch_specs.as_hopper_launch(spec) if target == "sm_90" else launch_specs.as_fnuz(spec)
 
 
-def record(args: argparse.Namespace) -> list[dict]:
-    """Every batch's distinct launches, each spec with the batch it came from (ranks, tokens, dtypes)."""
-    recorded = []
+def batches(args: argparse.Namespace) -> list[tuple[dict, EpConfig, KernelTuning]]:
+    """Each batch the arguments name (ranks, tokens, dtypes), its op config and the tuning that routes
+    its send as ``--routing`` asks. A config the op refuses raises ``ConfigError``."""
+    made = []
     for world, tokens in itertools.product(args.world, args.tokens):
         experts = args.local_experts * world if args.local_experts else args.experts
-        for dispatch in map(DispatchDtype, args.dispatch_dtype):
-            for combine in map(CombineDtype, args.combine_dtype):
-                cfg = EpConfig(
-                    world, 0, args.hidden, experts, args.topk, max_tokens_per_rank=tokens,
-                    dispatch_dtype=dispatch, combine_dtype=combine, mode=Mode.LOW_LATENCY, provider="triton",
-                    fp8_dtype=torch.float8_e4m3fn,
-                )  # fmt: skip
-                tuning = KernelTuning()
-                if args.routing != "auto":
-                    tuning = dataclasses.replace(
-                        tuning, self_routing_max_tokens=tokens if args.routing == "self" else 0
-                    )
-                batch = {
-                    "world": world,
-                    "tokens": tokens,
-                    "dispatch_dtype": dispatch.value,
-                    "combine_dtype": combine.value,
-                }
-                recorded += [{"batch": batch, "spec": spec} for spec in record_step(cfg, tokens, tuning)]
-    return recorded
+        for dispatch, combine in itertools.product(args.dispatch_dtype, args.combine_dtype):
+            cfg = EpConfig(
+                world, 0, args.hidden, experts, args.topk, max_tokens_per_rank=tokens,
+                dispatch_dtype=DispatchDtype(dispatch), combine_dtype=CombineDtype(combine), mode=Mode.LOW_LATENCY,
+                provider="triton", fp8_dtype=torch.float8_e4m3fn,
+            )  # fmt: skip
+            tuning = KernelTuning()
+            if args.routing != "auto":
+                tuning = dataclasses.replace(tuning, self_routing_max_tokens=tokens if args.routing == "self" else 0)
+            batch = {"world": world, "tokens": tokens, "dispatch_dtype": dispatch, "combine_dtype": combine}
+            made.append((batch, cfg, tuning))
+    return made
+
+
+def record(args: argparse.Namespace) -> list[dict]:
+    """Every batch's distinct launches, each spec with the batch it came from."""
+    return [
+        {"batch": batch, "spec": spec}
+        for batch, cfg, tuning in batches(args)
+        for spec in record_step(cfg, batch["tokens"], tuning)
+    ]
 
 
 def recorded_in_interpreter(argv: list[str]) -> list[dict]:
@@ -131,7 +136,7 @@ def measure(recorded: list[dict], targets: list[str]) -> list[Usage]:
             spilled = usage["stack_bytes"] if target == "sm_90" else usage["vgpr_spills"]
             row = Usage(spec["kernel"], **batch, routing=routing, target=target, registers=registers, spilled=spilled)
             rows.append(row)
-            print(markdown([row]).splitlines()[-1], flush=True)
+            print(markdown([row]).splitlines()[-1], file=sys.stderr, flush=True)  # progress
     return rows
 
 
@@ -149,7 +154,10 @@ def markdown(rows: list[Usage]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mori_sglang.tools.registers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mori_sglang.tools.registers",
+        description="The registers per thread each kernel of a step needs on sm_90 and gfx942, compiled without a GPU.",
+    )
     parser.add_argument("--tokens", type=cli.positive_int, nargs="+", default=[1, 128, 4096], help="tokens per rank")
     parser.add_argument("--hidden", type=cli.positive_int, default=7168)
     parser.add_argument("--topk", type=cli.positive_int, default=8)
@@ -164,7 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--combine-dtype", nargs="+", default=[CombineDtype.BF16.value], choices=[c.value for c in CombineDtype]
     )
-    parser.add_argument("--routing", default="auto", choices=ROUTINGS, help="how the send routes (auto: as tuned)")
+    parser.add_argument(
+        "--routing",
+        default="auto",
+        choices=ROUTINGS,
+        help=f"how the send routes: auto as tuned; worlds of more than {SELF_ROUTING_MAX_WORLD} ranks always in tasks",
+    )
     parser.add_argument("--target", nargs="+", default=["sm_90"], choices=sorted(launch_specs.TARGETS))
     parser.add_argument("--json", type=cli.output_file, help="write the rows here")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child's output
@@ -176,10 +189,13 @@ def main(argv: list[str] | None = None) -> list[Usage]:
     if args.record_to:
         Path(args.record_to).write_text(json.dumps(record(args)))
         return []
+    try:
+        batches(args)
+    except ConfigError as e:
+        raise SystemExit(f"registers: {e}") from None
     if interpreter.interpreting():
         raise SystemExit(f"registers: unset {interpreter.INTERPRET_ENV}: the kernels must compile, not be interpreted")
     rows = measure(recorded_in_interpreter(sys.argv[1:] if argv is None else argv), args.target)
-    print()
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -29,6 +29,7 @@ from mori_sglang.config import CombineDtype, DispatchDtype, EpConfig, Mode
 from mori_sglang.kernels import transport
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
+from mori_sglang.tools import launch_specs
 from mori_sglang.tools.launch_specs import KERNELS, as_fnuz, as_gpu_launch, as_hopper_launch, recorded_launches
 from tests.helpers import routing_tuning
 
@@ -67,7 +68,7 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
             if i == 0:  # the routing tasks in the send
                 _step(cfg, [65] + [1] * 7, "tasks")
     monkeypatch.undo()
-    unique = [json.loads(u) for u in sorted({json.dumps(launch, sort_keys=True) for launch in launches})]
+    unique = launch_specs.unique(launches)
     assert {s["kernel"] for s in unique} == set(KERNELS)
     assert all(s["constants"]["PDL"] == transport.PDL_OFF for s in unique)
     spins = triton_provider.COUNT_SPINS

@@ -23,37 +23,46 @@ REPO = Path(__file__).resolve().parents[2]
 MOST_REGISTERS = {"sm_90": 255, "gfx942": 512}
 
 
-# Worlds whose rank lanes fill part of a warp, a whole one, two and four (the send runs one warp); past
-# SELF_ROUTING_MAX_WORLD ranks even a one-token batch routes in tasks.
+# Worlds whose rank lanes fill part of a warp, a whole one, two and four (the send runs one warp). Past
+# SELF_ROUTING_MAX_WORLD ranks the send routes in tasks whatever is asked.
 WORLDS = (2, 33, 65, 128)
 
 
 @pytest.mark.slow
-def test_every_kernel_compiles_for_both_targets_in_every_world_and_routing(tmp_path: Path) -> None:
-    small, large = 1, 40  # one token; three routing blocks
-    assert large > KernelTuning().route_block * 2
+@pytest.mark.parametrize("routing", ["self", "tasks"])
+def test_every_kernel_compiles_for_both_targets_in_every_world(routing: str, tmp_path: Path) -> None:
+    tokens = (1, 40)  # one token; three routing blocks
+    assert tokens[-1] > KernelTuning().route_block * 2
     out = tmp_path / "registers.json"
     shape = ["--hidden", "256", "--local-experts", "4", "--topk", "6", "--world", *map(str, WORLDS)]
-    command = [sys.executable, "-m", "mori_sglang.tools.registers", "--tokens", str(small), str(large), *shape]
-    command += ["--dispatch-dtype", "fp8", "bf16", "--target", "sm_90", "gfx942", "--json", str(out)]
+    command = [sys.executable, "-m", "mori_sglang.tools.registers", "--tokens", *map(str, tokens), *shape]
+    command += ["--dispatch-dtype", "fp8", "bf16", "--target", "sm_90", "gfx942", "--routing", routing]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [*command, "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())
     batches = {(r["world"], r["tokens"], r["dispatch_dtype"], r["target"]) for r in rows}
-    assert batches == set(itertools.product(WORLDS, (small, large), ("fp8", "bf16"), ("sm_90", "gfx942")))
+    assert batches == set(itertools.product(WORLDS, tokens, ("fp8", "bf16"), ("sm_90", "gfx942")))
     for batch in batches:
         of_batch = [r for r in rows if (r["world"], r["tokens"], r["dispatch_dtype"], r["target"]) == batch]
         assert sorted(r["kernel"] for r in of_batch) == sorted(KERNELS)
-        world, tokens, _, target = batch
-        self_routed = tokens <= KernelTuning().self_routing_max_tokens and world <= SELF_ROUTING_MAX_WORLD
+        world, _, _, target = batch
+        routed = "self" if routing == "self" and world <= SELF_ROUTING_MAX_WORLD else "tasks"
         for r in of_batch:
             assert 0 < r["registers"] <= MOST_REGISTERS[target], r
-            assert r["spilled"] >= 0, r
-            expected = ("self" if self_routed else "tasks") if r["kernel"] == "dispatch_send_kernel" else "-"
-            assert r["routing"] == expected, r
-    assert "| dispatch_send_kernel | 2 | 1 | fp8 | bf16 | self | sm_90 |" in done.stdout
+            assert r["routing"] == (routed if r["kernel"] == "dispatch_send_kernel" else "-"), r
     assert "| dispatch_send_kernel | 65 | 1 | fp8 | bf16 | tasks | gfx942 |" in done.stdout
+    printed = [
+        line for line in done.stdout.splitlines() if line.split("|")[1:2] and line.split("|")[1].strip() in KERNELS
+    ]
+    assert len(printed) == len(rows)  # the table once, on stdout
+
+
+def test_a_config_the_op_refuses_is_an_error_naming_it() -> None:
+    with pytest.raises(SystemExit, match="topk=9"):
+        registers.main(["--tokens", "1", "--world", "2", "--experts", "8", "--topk", "9"])
 
 
 def test_refuses_to_run_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
