@@ -154,14 +154,14 @@ def compile_launch(spec: dict, target: GPUTarget):
 
 
 CUDA_USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)")
-HIP_USAGE = {name: re.compile(rf"\.{name}:\s+(\d+)") for name in ("vgpr_count", "agpr_count", "sgpr_count")}
+HIP_VGPRS = re.compile(r"\.vgpr_count:\s+(\d+)")
 HIP_SPILLS = re.compile(r"\.vgpr_spill_count:\s+(\d+)")
 
 
-def resource_usage(compiled, target: GPUTarget) -> dict[str, int]:
-    """The registers a compiled kernel needs per thread, and what it spills: for CUDA, what Triton's
-    bundled ``cuobjdump`` reads from the cubin (registers, stack bytes); for HIP, the code object's
-    metadata (vector, accumulation and scalar registers, spilled vector registers)."""
+def resource_usage(compiled, target: GPUTarget) -> tuple[int, int]:
+    """The registers a compiled kernel needs per thread and what it spills: for CUDA, the registers
+    and stack bytes Triton's bundled ``cuobjdump`` reads from the cubin; for HIP, the vector registers
+    and spilled vector registers of the code object's metadata."""
     if target.backend == "cuda":
         cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -173,14 +173,10 @@ def resource_usage(compiled, target: GPUTarget) -> dict[str, int]:
         found = CUDA_USAGE.search(dump)
         if found is None:
             raise RuntimeError(f"cuobjdump printed no register count:\n{dump}")
-        return {"registers": int(found[1]), "stack_bytes": int(found[2])}
+        return int(found[1]), int(found[2])
     amdgcn = compiled.asm["amdgcn"]
-    usage = {}
-    for name, pattern in HIP_USAGE.items():
-        found = pattern.search(amdgcn)
-        if found is None:
-            raise RuntimeError(f"the code object's metadata names no .{name}")
-        usage[name] = int(found[1])
+    vgprs = HIP_VGPRS.search(amdgcn)
+    if vgprs is None:
+        raise RuntimeError("the code object's metadata names no .vgpr_count")
     spills = HIP_SPILLS.search(amdgcn)
-    usage["vgpr_spills"] = int(spills[1]) if spills else 0
-    return usage
+    return int(vgprs[1]), int(spills[1]) if spills else 0

@@ -131,26 +131,28 @@ def measure(recorded: list[dict], targets: list[str]) -> list[Usage]:
             routing = "self" if spec["constants"]["SELF_ROUTING"] else "tasks"
         for target in targets:
             compiled = launch_specs.compile_launch(as_target_launch(spec, target), launch_specs.TARGETS[target])
-            usage = launch_specs.resource_usage(compiled, launch_specs.TARGETS[target])
-            registers = usage["registers"] if target == "sm_90" else usage["vgpr_count"]
-            spilled = usage["stack_bytes"] if target == "sm_90" else usage["vgpr_spills"]
+            registers, spilled = launch_specs.resource_usage(compiled, launch_specs.TARGETS[target])
             row = Usage(spec["kernel"], **batch, routing=routing, target=target, registers=registers, spilled=spilled)
             rows.append(row)
-            print(markdown([row]).splitlines()[-1], file=sys.stderr, flush=True)  # progress
+            print(_line(row), file=sys.stderr, flush=True)  # progress
     return rows
 
 
+HEADER = (
+    "| kernel | ranks | tokens/rank | dispatch | combine | send routing | target | registers/thread | spilled |\n"
+    "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: |"
+)
+
+
+def _line(r: Usage) -> str:
+    return (
+        f"| {r.kernel} | {r.world} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | {r.routing} "
+        f"| {r.target} | {r.registers} | {r.spilled} |"
+    )
+
+
 def markdown(rows: list[Usage]) -> str:
-    lines = [
-        "| kernel | ranks | tokens/rank | dispatch | combine | send routing | target | registers/thread | spilled |",
-        "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.kernel} | {r.world} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | {r.routing} "
-            f"| {r.target} | {r.registers} | {r.spilled} |"
-        )
-    return "\n".join(lines)
+    return "\n".join([HEADER, *map(_line, rows)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
