@@ -69,6 +69,9 @@ class Row:
     combine_send_pct: float
     combine_recv_pct: float
     round_trip_pct: float
+    # The whole step (four phases, every rank) replayed from one CUDA graph, summed over the ranks like the
+    # phases: what the phases' separate graphs and timings leave out or add (None where nothing is graphed).
+    step_graph_us: float | None = None
     eager: EagerRow | None = None  # with --eager
 
 
@@ -117,6 +120,10 @@ def bench_one(
     pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in step.ids)
     assert recv_rows == pairs, (recv_rows, pairs)
     row = _row(cfg, tokens, times, recv_rows, step.world.ops[0], copy_gbs)
+    if graphed:
+        whole = graph_replay(step.whole_step)
+        whole()
+        row.step_graph_us = statistics.median(time_phases([whole], device, iters)[0]) * 1e6
     if eager:
         row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
         assert sum(int(o.num_recv.item()) for o in step.outs) == pairs
@@ -204,8 +211,8 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
         "",
         "| provider | mode | tokens/rank | dispatch | combine | dispatch µs | combine µs | dispatch GB/s | "
         "combine GB/s | % roof: dispatch send | dispatch recv | combine send | combine recv | round trip | "
-        "dispatch x torch | combine x torch |",
-        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "dispatch x torch | combine x torch | step µs, one graph |",
+        "| --- | --- | ---: | --- | --- |" + " ---: |" * 12,
     ]
     for r in rows:
         ratio_d, ratio_c = speedup_cells(r, baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype)))
@@ -214,7 +221,7 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
             f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.0f} | {r.combine_gbs:.0f} | "
             f"{r.dispatch_send_pct:.0f} | {r.dispatch_recv_pct:.0f} | {r.combine_send_pct:.0f} | "
             f"{r.combine_recv_pct:.0f} | {r.round_trip_pct:.0f} | "
-            f"{ratio_d} | {ratio_c} |"
+            f"{ratio_d} | {ratio_c} | {'-' if r.step_graph_us is None else f'{r.step_graph_us:.1f}'} |"
         )
     return "\n".join(lines)
 

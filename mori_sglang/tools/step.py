@@ -51,6 +51,11 @@ class LoopbackStep:
         """The four calls in step order (``measure.PHASES``)."""
         return [self.dispatch_send, self.dispatch_recv, self.combine_send, self.combine_recv]
 
+    def whole_step(self) -> None:
+        """The four calls one after another: a step as a server's decode graph holds it."""
+        for phase in self.phases:
+            phase()
+
     def dispatch_send(self) -> None:
         for op, x, w, i in zip(self.world.ops, self.xs, self.weights, self.ids, strict=True):
             op.dispatch_send(x, w, None, i)

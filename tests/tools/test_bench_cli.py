@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import skip_without_working_interpreter
 
@@ -48,8 +49,25 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
     assert [r[0] for r in rows] == ["triton", "torch", "triton", "torch"]
     assert [r[4] for r in rows] == ["bf16", "bf16", "fp8", "fp8"]  # the env name of the long name asked for
     assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    assert [r[16] for r in rows] == ["-"] * 4  # no CUDA graph of the whole step on a CPU
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 4 and data["copy_gbs"] > 0
+    assert all(r["step_graph_us"] is None for r in data["rows"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the step is replayed from a CUDA graph)")
+def test_bench_times_the_whole_step_in_one_graph_beside_its_phases() -> None:
+    """On a GPU each triton row also replays the whole step from one graph (the torch baseline runs
+    eagerly, so it has none); the figure is device time, so it is at least the slowest phase's."""
+    from mori_sglang.tools import bench
+
+    rows = bench.main(["--world", "2", "--tokens", "4", "--mode", "low_latency", "--device", "cuda", *SMALL])
+    for row in rows:
+        if row.provider == "triton":
+            phases = [row.dispatch_send_us, row.dispatch_recv_us, row.combine_send_us, row.combine_recv_us]
+            assert row.step_graph_us is not None and row.step_graph_us >= max(phases)
+        else:
+            assert row.step_graph_us is None
 
 
 def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> None:
