@@ -6,7 +6,8 @@
 Every rank's buffers sit on one device, so the numbers measure the kernels' memory traffic against
 the device's own copy bandwidth (measured in the same run), and the torch provider runs the same
 steps beside them as the baseline. Bandwidth follows MoRI's accounting: received rows x row bytes.
-On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test).
+On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test), and so is
+the whole step in one graph ("step µs, one graph"), as a server's decode graph holds it.
 
 ``--eager`` also launches every phase from Python, as a server without CUDA graphs does, and reports per
 rank and phase the host time of the calls, the device time of what they queued and the launches they
@@ -116,20 +117,26 @@ def bench_one(
     for phase in phases:  # warm-up
         phase()
     times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
-    step_graph_us = None
+    pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in step.ids)
+    recv_rows = _received_rows(step, pairs)  # after the phases' replays
+    row = _row(cfg, tokens, times, recv_rows, step.world.ops[0], copy_gbs)
     if graphed:
         whole = graph_replay(step.whole_step)
         whole()
-        step_graph_us = statistics.median(time_phases([whole], device, iters)[0]) * 1e6
-    recv_rows = sum(int(o.num_recv.item()) for o in step.outs)
-    pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in step.ids)
-    assert recv_rows == pairs, (recv_rows, pairs)
-    row = _row(cfg, tokens, times, recv_rows, step.world.ops[0], copy_gbs)
-    row.step_graph_us = step_graph_us
+        row.step_graph_us = statistics.median(time_phases([whole], device, iters)[0]) * 1e6
+        _received_rows(step, pairs)  # after the whole step's replays
     if eager:
         row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
-        assert sum(int(o.num_recv.item()) for o in step.outs) == pairs
+        _received_rows(step, pairs)
     return row, recv_rows
+
+
+def _received_rows(step: LoopbackStep, pairs: int) -> int:
+    """Rows the last run of ``step`` received over every rank, checked against the (token, destination
+    rank) pairs its ids make: a replay that lost or repeated a row fails the benchmark."""
+    recv_rows = sum(int(o.num_recv.item()) for o in step.outs)
+    assert recv_rows == pairs, (recv_rows, pairs)
+    return recv_rows
 
 
 def _eager_row(
