@@ -127,15 +127,16 @@ class EpDispatchCombineOp:
         if self._ids_checked_on_host:
             check_expert_ids_on_host(self.config, ids)
 
-    def _refuse_if_closed(self, call: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"{call} on a closed op: build a new EpDispatchCombineOp")
+    @staticmethod
+    def _closed_error(call: str) -> RuntimeError:
+        return RuntimeError(f"{call} on a closed op: build a new EpDispatchCombineOp")
 
     def _start_send(self, kind: str) -> None:
         """Refuse a send while this op's previous send of the same kind is not received: the provider
         keeps one send of each kind, so the new batch would replace the old one unseen (its tokens lost,
         its receive returning the new batch)."""
-        self._refuse_if_closed(f"{kind}_send")
+        if self._closed:
+            raise self._closed_error(f"{kind}_send")
         if self._in_flight[kind]:
             raise RuntimeError(
                 f"{kind}_send called again before {kind}_recv received the previous {kind}_send: receive each "
@@ -170,12 +171,14 @@ class EpDispatchCombineOp:
         """Hand checked inputs to the provider, quantizing bf16 tokens where its send does not. Packed fp4
         tokens may come as torch's float4_e2m1fn_x2: the providers take their bytes (uint8, the same
         layout), as torch's own indexing and Triton know no float4 type."""
-        payload = x.view(torch.uint8) if x.dtype == torch.float4_e2m1fn_x2 else x
-        if x.dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
+        dtype = x.dtype
+        if dtype == torch.bfloat16 and self.config.dispatch_dtype is not DispatchDtype.BF16:
             if self._quantize_in_send:
                 self.provider.dispatch_send(x, None, topk_weights, topk_ids, self.layout, quantize=True)
                 return
             payload, scales = formats.quantize_dispatch(x, self.config.dispatch_dtype, self.fp8_dtype)
+        else:
+            payload = x.view(torch.uint8) if dtype == torch.float4_e2m1fn_x2 else x
         scale_rows = None
         if scales is not None and self.scale_bytes:  # the checks ensured scales wherever scale_bytes
             scale_rows = formats.dense(scales).view(torch.uint8).view(x.shape[0], self.scale_bytes)
@@ -183,7 +186,8 @@ class EpDispatchCombineOp:
 
     def dispatch_recv(self) -> DispatchOutput:
         """Finish the dispatch started by ``dispatch_send``."""
-        self._refuse_if_closed("dispatch_recv")
+        if self._closed:
+            raise self._closed_error("dispatch_recv")
         self._in_flight["dispatch"] = False  # received (or given up on) by the provider's receive
         out = self.provider.dispatch_recv(self.layout, self.payload_dtype)
         out.handle.issuer, out.handle.dispatch_number = self.ident, self._dispatches
@@ -235,7 +239,8 @@ class EpDispatchCombineOp:
 
     def combine_recv(self) -> torch.Tensor:
         """Per original token, the f32 sum over its destination ranks, as bf16 ``[num_tokens, hidden]``."""
-        self._refuse_if_closed("combine_recv")
+        if self._closed:
+            raise self._closed_error("combine_recv")
         self._in_flight["combine"] = False
         return self.provider.combine_recv()
 

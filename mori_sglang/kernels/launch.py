@@ -108,6 +108,8 @@ class BoundLaunch:
         self._arguments = [_raw(args[name]) if name in args else options.get(name) for name in names]
         # Per specialization: the compiled kernel and its direct launch (None: through its launcher).
         self._compiled: dict[tuple, tuple[object, DirectLaunch | None]] = {}
+        self._last_specialization: list | None = None  # the last launch's, and its entry of ``_compiled``
+        self._last_compiled: tuple[object, DirectLaunch | None] | None = None
         # Straight to the compiled kernel on a GPU; through the JIT in the interpreter (CPU tensors).
         self._stream = driver.active.get_current_stream if device.type == "cuda" else None
         self._device_index = (
@@ -123,29 +125,32 @@ class BoundLaunch:
         if len(values) != len(self._positions):
             raise TypeError(f"{len(values)} per-launch arguments for {self._variable}")
         arguments = self._arguments
-        key: tuple = ()
-        if values:
-            specialization = []
-            for position, value in zip(self._positions, values, strict=True):
-                if isinstance(value, int):
-                    arguments[position] = value
-                    specialization.append((-(2**31) <= value < 2**31, value == 1, value % POINTER_ALIGN == 0))
-                else:  # a tensor, by address: Triton specializes on its dtype and alignment
-                    address = arguments[position] = value.data_ptr()
-                    specialization.append((value.dtype, address % POINTER_ALIGN == 0))
+        # The specialization, flat: per tensor its dtype and alignment, per int Triton's three tests.
+        # Compared with the last launch's as a list first: a step re-launches with the same dtypes.
+        specialization = []
+        for position, value in zip(self._positions, values, strict=False):  # lengths checked above
+            if isinstance(value, int):
+                arguments[position] = value
+                specialization.append((-(2**31) <= value < 2**31, value == 1, value % POINTER_ALIGN == 0))
+            else:  # a tensor, by address: Triton specializes on its dtype and alignment
+                address = arguments[position] = value.data_ptr()
+                specialization.append(value.dtype)
+                specialization.append(address % POINTER_ALIGN == 0)
+        if specialization == self._last_specialization:
+            kernel, direct = self._last_compiled
+        else:
             key = tuple(specialization)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._compile(key, values)
-            return
-        kernel, direct = compiled
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                self._compile(key, values)
+                return
+            kernel, direct = self._last_compiled = compiled
+            self._last_specialization = specialization
         stream = self._stream(self._device_index)
-        enter_hook = active_hook(knobs.runtime.launch_enter_hook)
-        exit_hook = active_hook(knobs.runtime.launch_exit_hook)
-        if direct is None or not self.direct_launches or enter_hook is not None or exit_hook is not None:
-            metadata = None
-            if enter_hook is not None or exit_hook is not None:
-                metadata = kernel.launch_metadata(self.grid, stream, *arguments)
+        hooks = launch_hooks()
+        if hooks is not None or direct is None or not self.direct_launches:
+            enter_hook, exit_hook = hooks or (None, None)
+            metadata = None if hooks is None else kernel.launch_metadata(self.grid, stream, *arguments)
             kernel.run(
                 *self.grid, stream, kernel.function, kernel.packed_metadata, metadata, enter_hook, exit_hook, *arguments
             )
@@ -180,6 +185,16 @@ def active_hook(hook: Callable | None) -> Callable | None:
     if hook is None or not getattr(hook, "calls", True):
         return None
     return hook
+
+
+def launch_hooks() -> tuple[Callable | None, Callable | None] | None:
+    """Triton's launch enter and exit hooks as the launcher takes them (``active_hook``), or None where
+    neither would run: the one test a direct launch needs."""
+    runtime = knobs.runtime
+    enter_hook, exit_hook = active_hook(runtime.launch_enter_hook), active_hook(runtime.launch_exit_hook)
+    if enter_hook is None and exit_hook is None:
+        return None
+    return enter_hook, exit_hook
 
 
 def _raw(value: object) -> object:

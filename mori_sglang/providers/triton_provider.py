@@ -245,7 +245,9 @@ class TritonProvider(EpProvider):
         self._launches.clear()  # the bound launches hold the old shapes
 
     def _cached(self, key: tuple, make: Callable[..., object], *args: object):
-        """What ``make(*args)`` builds for ``key`` (a launch plan or a view), built on first use."""
+        """What ``make(*args)`` builds for ``key`` (a launch plan or a view), built on first use. The
+        per-step calls look ``_launches`` up themselves first and come here on a miss: one Python call
+        less per call."""
         found = self._launches.get(key)
         if found is None:
             found = self._launches[key] = make(*args)
@@ -280,10 +282,10 @@ class TritonProvider(EpProvider):
         index = TICKETS.index(kernel)
         return self._tickets[index : index + 1]
 
-    def _ensure_peers(self) -> None:
-        if not self._peers_ready:
-            self.arena.resolve_loopback_peers(self._loopback)
-            self._peers_ready = True
+    def _resolve_peers(self) -> None:
+        """A loopback world's peers, found at the first send (every rank's arena exists by then)."""
+        self.arena.resolve_loopback_peers(self._loopback)
+        self._peers_ready = True
 
     def check_status(self) -> None:
         """Raise if a receive gave up on a peer, a dispatch met an expert id out of range or a combine
@@ -312,16 +314,13 @@ class TritonProvider(EpProvider):
         kernels read the tensors as they are (int32 or int64 ids, f32 or 16-bit weights, tokens of any
         dtype as words); only a tensor that is not contiguous, or tokens or scale rows that do not start
         on a 4-byte word, are copied."""
-        self._ensure_peers()
+        if not self._peers_ready:
+            self._resolve_peers()
         num_tokens = payload.shape[0]
         with_scales = scales is not None
-        send = self._cached(
-            ("dispatch", num_tokens, quantize, with_scales),
-            self._dispatch_send,
-            num_tokens,
-            layout,
-            quantize,
-            with_scales,
+        key = ("dispatch", num_tokens, quantize, with_scales)
+        send = self._launches.get(key) or self._cached(
+            key, self._dispatch_send, num_tokens, layout, quantize, with_scales
         )
         ids = _contiguous(ids)
         if with_scales:
@@ -436,8 +435,9 @@ class TritonProvider(EpProvider):
         if self._sent is None:
             self._refuse_receive("dispatch")
         num_tokens, self._sent = self._sent, None  # each send is received once
-        recv, slots, tokens, scales = self._cached(
-            ("dispatch_recv", num_tokens, token_dtype), self._dispatch_recv_plan, num_tokens, layout, token_dtype
+        key = ("dispatch_recv", num_tokens, token_dtype)
+        recv, slots, tokens, scales = self._launches.get(key) or self._cached(
+            key, self._dispatch_recv_plan, num_tokens, layout, token_dtype
         )
         recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
@@ -524,8 +524,9 @@ class TritonProvider(EpProvider):
 
     def combine_send(self, y: torch.Tensor, handle: CombineHandle) -> None:
         assert isinstance(handle, SlotHandle)  # the op passes back only this provider's handles
-        self._ensure_peers()
-        send = self._cached(("combine_send",), self._combine_send_launch)
+        if not self._peers_ready:
+            self._resolve_peers()
+        send = self._launches.get(("combine_send",)) or self._cached(("combine_send",), self._combine_send_launch)
         rows = y.shape[0]
         send(_contiguous(y) if rows else self._no_rows, rows)
         self._combine_handle = handle
@@ -573,7 +574,8 @@ class TritonProvider(EpProvider):
             self._refuse_receive("combine")
         handle, self._combine_handle = self._combine_handle, None
         num_tokens = handle.num_tokens
-        recv, out = self._cached(("combine_recv", num_tokens), self._combine_recv_launch, num_tokens)
+        key = ("combine_recv", num_tokens)
+        recv, out = self._launches.get(key) or self._cached(key, self._combine_recv_launch, num_tokens)
         recv()
         self._status.after_step(self.check_status)  # a stalled peer or a bad id raises at a later call
         return out

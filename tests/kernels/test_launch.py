@@ -13,7 +13,7 @@ import torch
 from triton import knobs
 
 from mori_sglang.kernels.launch import BoundLaunch, DirectLaunch, active_hook, direct_launch, through_tritons_launcher
-from mori_sglang.kernels.probes import launch_probe_kernel
+from mori_sglang.kernels.probes import launch_probe_kernel, launch_probe_wide_kernel
 
 HookChain = getattr(knobs, "HookChain", None)  # Triton 3.5 on; 3.4 keeps each hook as one callable
 needs_hook_chains = pytest.mark.skipif(HookChain is None, reason="this Triton (before 3.5) has no HookChain")
@@ -148,6 +148,49 @@ def test_a_launcher_laid_out_otherwise_goes_through_tritons_launcher() -> None:
             self.launch(str(stream), function, *rest)  # the stream converted: not recognisable
 
     assert direct_launch(Unknown(), (1, 1, 1), 0xF00, (4, 1, 0)) is None
+
+
+def _bound_without_a_gpu(monkeypatch: pytest.MonkeyPatch, launched: list[tuple]) -> BoundLaunch:
+    """A wide probe's ``BoundLaunch`` (its tensor ``out_ptr`` and int ``a0`` given per launch) on a GPU's
+    path without a GPU: a stream that is a number, and a first launch per specialization that stands in
+    for the JIT with a direct launch recording ``(specialization, stream, arguments)``."""
+    fixed = {f"a{i}": i for i in range(1, 20)}
+    bound = BoundLaunch(launch_probe_wide_kernel, torch.device("cpu"), (1,), fixed, {"num_warps": 1}, ("out_ptr", "a0"))
+    bound._stream = lambda index: 0x5EA
+
+    def compile_without_jit(self: BoundLaunch, key: tuple, values: tuple) -> None:
+        def record(stream: int, *arguments: object) -> None:
+            launched.append((key, stream, arguments))
+
+        self._compiled[key] = (None, DirectLaunch(record, (), (), packs_arguments=False))
+        launched.append((key, "compiled", values))
+
+    monkeypatch.setattr(BoundLaunch, "_compile", compile_without_jit)
+    return bound
+
+
+def test_each_launch_reaches_its_own_specialization_as_they_alternate(monkeypatch: pytest.MonkeyPatch) -> None:
+    launched: list[tuple] = []
+    bound = _bound_without_a_gpu(monkeypatch, launched)
+    words = torch.zeros(8, dtype=torch.int64)
+    aligned, unaligned, other_dtype = words[:2], words[1:3], torch.zeros(2, dtype=torch.int32)
+    calls = [(aligned, 3), (aligned, 5), (unaligned, 5), (aligned, 7), (other_dtype, 7), (aligned, 1), (aligned, 2**40)]
+    for out, a0 in calls * 2:
+        bound(out, a0)
+    compiled = [entry for entry in launched if entry[1] == "compiled"]
+    # aligned int64 with an int32 a0 (3 and 5 and 7 share it), the unaligned view, int32, a0 == 1, a 64-bit a0
+    assert len(compiled) == 5 == len(bound._compiled)
+    direct = [entry for entry in launched if entry[1] != "compiled"]
+    assert len(direct) == 2 * len(calls) - len(compiled) and bound.launches == 2 * len(calls)
+    first_time = set()
+    for out, a0 in calls * 2:
+        key = (out.dtype, out.data_ptr() % 16 == 0, (-(2**31) <= a0 < 2**31, a0 == 1, a0 % 16 == 0))
+        if key in first_time:
+            specialization, stream, arguments = direct.pop(0)
+            assert specialization == key and stream == 0x5EA
+            assert arguments[:2] == (out.data_ptr(), a0) and arguments[2:] == tuple(range(1, 20))
+        first_time.add(key)
+    assert direct == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launcher runs on a GPU (CPU: the JIT)")
