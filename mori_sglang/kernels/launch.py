@@ -72,11 +72,23 @@ def direct_launch(
     return None
 
 
+class _Compiled(NamedTuple):
+    """One specialization's compiled kernel and its direct launch (None: through Triton's launcher)."""
+
+    kernel: object
+    direct: DirectLaunch | None
+
+
 class BoundLaunch:
     """One kernel with a fixed grid, fixed constexprs and options, and fixed arguments; the arguments
     named in ``variable`` (tensors or ints) are given per launch, in that order. ``launches`` counts
     the launches. After the first launch of a specialization, Triton's pre-run hooks are not called
-    (the provider's kernels have none)."""
+    (the provider's kernels have none).
+
+    A launch calls ``_launch``: the checked path (``_launch_checked``), which works the specialization
+    out from the values, until a specialization has been launched directly; from then on that
+    specialization's direct launcher (``_direct_launcher``), which only confirms that the values keep
+    it and hands them to the C launcher, and takes the checked path for anything else."""
 
     # False: every launch goes through Triton's launcher (``through_tritons_launcher``).
     direct_launches = True
@@ -106,10 +118,11 @@ class BoundLaunch:
         # addresses, constexprs as their values (the launcher ignores them); each launch writes its
         # per-launch values in place.
         self._arguments = [_raw(args[name]) if name in args else options.get(name) for name in names]
-        # Per specialization: the compiled kernel and its direct launch (None: through its launcher).
-        self._compiled: dict[tuple, tuple[object, DirectLaunch | None]] = {}
-        self._last_specialization: list | None = None  # the last launch's, and its entry of ``_compiled``
-        self._last_compiled: tuple[object, DirectLaunch | None] | None = None
+        self._compiled: dict[tuple, _Compiled] = {}  # per specialization
+        self._last_specialization: list | None = None  # the last checked launch's, and its entry of ``_compiled``
+        self._last_compiled: _Compiled | None = None
+        self._direct_launchers: dict[tuple, Callable[..., None]] = {}  # per specialization launched directly
+        self._launch: Callable[..., None] = self._launch_checked
         # Straight to the compiled kernel on a GPU; through the JIT in the interpreter (CPU tensors).
         self._stream = driver.active.get_current_stream if device.type == "cuda" else None
         self._device_index = (
@@ -118,6 +131,13 @@ class BoundLaunch:
 
     def __call__(self, *values: torch.Tensor | int) -> None:
         """Launch with the per-launch arguments (tensors or ints), in the order ``variable`` named them."""
+        self._launch(*values)
+
+    def _launch_checked(self, *values: torch.Tensor | int) -> None:
+        """A launch that works its specialization out from the values: the first of each specialization
+        (which compiles it), every launch while a hook is set or through Triton's launcher, and in the
+        interpreter every launch. A direct launch makes its specialization's direct launcher the one
+        the next launch tries."""
         self.launches += 1
         if self._stream is None:
             self.kernel[self.grid](**self._jit_kwargs, **dict(zip(self._variable, values, strict=True)))
@@ -126,20 +146,19 @@ class BoundLaunch:
             raise TypeError(f"{len(values)} per-launch arguments for {self._variable}")
         arguments = self._arguments
         # The specialization, flat: per tensor its dtype and alignment, per int Triton's three tests.
-        # Compared with the last launch's as a list first: a step re-launches with the same dtypes.
         specialization = []
         for position, value in zip(self._positions, values, strict=False):  # lengths checked above
             if isinstance(value, int):
                 arguments[position] = value
-                specialization.append((-(2**31) <= value < 2**31, value == 1, value % POINTER_ALIGN == 0))
+                specialization.append(_int_specialization(value))
             else:  # a tensor, by address: Triton specializes on its dtype and alignment
                 address = arguments[position] = value.data_ptr()
                 specialization.append(value.dtype)
                 specialization.append(address % POINTER_ALIGN == 0)
+        key = tuple(specialization)
         if specialization == self._last_specialization:
             kernel, direct = self._last_compiled
         else:
-            key = tuple(specialization)
             compiled = self._compiled.get(key)
             if compiled is None:
                 self._compile(key, values)
@@ -154,15 +173,98 @@ class BoundLaunch:
             kernel.run(
                 *self.grid, stream, kernel.function, kernel.packed_metadata, metadata, enter_hook, exit_hook, *arguments
             )
-        elif direct.packs_arguments:
+            return
+        if direct.packs_arguments:
             direct.c_launch(*direct.head, stream, *direct.middle, tuple(arguments))
         else:
             direct.c_launch(*direct.head, stream, *direct.middle, *arguments)
+        launcher = self._direct_launchers.get(key)
+        if launcher is None:
+            launcher = self._direct_launchers[key] = self._direct_launcher(values, direct)
+        self._launch = launcher
+
+    def _direct_launcher(self, values: tuple, direct: DirectLaunch) -> Callable[..., None]:
+        """The launch of the specialization of ``values`` as straight-line code, made once per
+        specialization (as Triton makes its own argument binder): it reads each tensor's address, and
+        where every value keeps the specialization and no hook is set, writes the values and the
+        current stream into the C launcher's arguments, made once here, and calls it; otherwise it
+        takes the checked path. A loop over the values, as the checked path runs, costs about twice as
+        much per launch."""
+        parameters = [f"v{index}" for index in range(len(values))]
+        call = [*direct.head, None, *direct.middle]
+        stream_at = len(direct.head)
+        if direct.packs_arguments:  # the kernel's arguments as one tuple after the rest
+            arguments, first = list(self._arguments), 0
+        else:  # spread at the end of the call
+            call += self._arguments
+            arguments, first = call, len(call) - len(self._arguments)
+        reads, holds, stores = [], [], []
+        for index, (value, position) in enumerate(zip(values, self._positions, strict=True)):
+            name, at = parameters[index], first + position
+            if isinstance(value, int):
+                fits, is_one, aligned = _int_specialization(value)
+                holds += [
+                    f"{name}.__class__ is int",
+                    _holds(f"{-(2**31)} <= {name} < {2**31}", fits),
+                    _holds(f"{name} == 1", is_one),
+                    _holds(f"{name} % {POINTER_ALIGN} == 0", aligned),
+                ]
+                stores.append(f"arguments[{at}] = {name}")
+            else:
+                reads.append(f"a{index} = {name}.data_ptr()")
+                holds += [
+                    f"{name}.dtype is dtype_{index}",
+                    _holds(f"a{index} % {POINTER_ALIGN} == 0", value.data_ptr() % POINTER_ALIGN == 0),
+                ]
+                stores.append(f"arguments[{at}] = a{index}")
+        holds += [_no_hooks_test(), "BoundLaunch.direct_launches"]
+        signature = ", ".join(parameters)
+        lines = [f"def launch({signature}):", "    try:", *(f"        {read}" for read in reads)]
+        lines += [f"        same = {' and '.join(holds)}", "    except AttributeError:", "        same = False"]
+        lines += ["    if not same:", f"        return checked({signature})", "    bound.launches += 1"]
+        lines += [f"    {store}" for store in stores]
+        lines += [f"    call[{stream_at}] = stream(device_index)"]
+        lines += ["    c_launch(*call, tuple(arguments))" if direct.packs_arguments else "    c_launch(*call)"]
+        namespace = {
+            "BoundLaunch": BoundLaunch,
+            "runtime": knobs.runtime,
+            "checked": self._launch_checked,
+            "bound": self,
+            "call": call,
+            "arguments": arguments,
+            "stream": self._stream,
+            "device_index": self._device_index,
+            "c_launch": direct.c_launch,
+            **{f"dtype_{i}": value.dtype for i, value in enumerate(values) if not isinstance(value, int)},
+        }
+        exec(compile("\n".join(lines), f"<direct launch of {self.kernel.__name__}>", "exec"), namespace)
+        return namespace["launch"]
 
     def _compile(self, key: tuple, values: tuple) -> None:
         """The first launch of a specialization: through the JIT, which compiles or finds the kernel."""
         kernel = self.kernel[self.grid](**self._jit_kwargs, **dict(zip(self._variable, values, strict=True)))
-        self._compiled[key] = (kernel, direct_launch(kernel.run, self.grid, kernel.function, kernel.packed_metadata))
+        self._compiled[key] = _Compiled(
+            kernel, direct_launch(kernel.run, self.grid, kernel.function, kernel.packed_metadata)
+        )
+
+
+def _int_specialization(value: int) -> tuple[bool, bool, bool]:
+    """What Triton specializes an int argument on: whether it fits 32 bits, is 1, is a multiple of 16."""
+    return -(2**31) <= value < 2**31, value == 1, value % POINTER_ALIGN == 0
+
+
+def _no_hooks_test() -> str:
+    """Python that is true where no launch hook would run, as ``launch_hooks`` finds, for the kind of
+    hook this Triton keeps (a ``HookChain`` from 3.5, a callable or None before); a hook of another
+    kind set later makes it false or raise AttributeError, and the launch takes the checked path."""
+    if hasattr(knobs.runtime.launch_enter_hook, "calls"):
+        return "not runtime.launch_enter_hook.calls and not runtime.launch_exit_hook.calls"
+    return "runtime.launch_enter_hook is None and runtime.launch_exit_hook is None"
+
+
+def _holds(test: str, outcome: bool) -> str:
+    """Python that is true where ``test`` comes out as ``outcome``."""
+    return test if outcome else f"not ({test})"
 
 
 @contextmanager

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from triton import knobs
 
 from mori_sglang.kernels.launch import BoundLaunch, DirectLaunch, active_hook, direct_launch, through_tritons_launcher
@@ -150,47 +152,149 @@ def test_a_launcher_laid_out_otherwise_goes_through_tritons_launcher() -> None:
     assert direct_launch(Unknown(), (1, 1, 1), 0xF00, (4, 1, 0)) is None
 
 
-def _bound_without_a_gpu(monkeypatch: pytest.MonkeyPatch, launched: list[tuple]) -> BoundLaunch:
+STREAM = 0x5EA
+FIXED = tuple(range(1, 20))  # the wide probe's a1..a19
+
+
+class _RecordingKernel:
+    """A compiled kernel's stand-in whose Triton launcher records ``(key, "Triton's launcher", stream,
+    hooks given, arguments)``."""
+
+    function, packed_metadata = 0xF00, (4, 1, 0)
+
+    def __init__(self, key: tuple, launched: list[tuple]) -> None:
+        self.key, self.launched = key, launched
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *arguments) -> None:
+        self.launched.append((self.key, "Triton's launcher", stream, enter is not None, arguments))
+
+    def launch_metadata(self, grid: tuple, stream: int, *arguments: object) -> dict:
+        return {"name": "launch_probe_wide_kernel"}
+
+
+class _BoundWithoutAGpu(BoundLaunch):
     """A wide probe's ``BoundLaunch`` (its tensor ``out_ptr`` and int ``a0`` given per launch) on a GPU's
     path without a GPU: a stream that is a number, and a first launch per specialization that stands in
-    for the JIT with a direct launch recording ``(specialization, stream, arguments)``."""
-    fixed = {f"a{i}": i for i in range(1, 20)}
-    bound = BoundLaunch(launch_probe_wide_kernel, torch.device("cpu"), (1,), fixed, {"num_warps": 1}, ("out_ptr", "a0"))
-    bound._stream = lambda index: 0x5EA
+    for the JIT, recording ``(key, "compiled", values)``. A direct launch records ``(key, "direct",
+    stream, arguments)``, from a C launcher that takes them spread or, with ``packs``, as one tuple,
+    each after a head and a middle. ``checked`` counts the launches that took the checked path."""
 
-    def compile_without_jit(self: BoundLaunch, key: tuple, values: tuple) -> None:
-        def record(stream: int, *arguments: object) -> None:
-            launched.append((key, stream, arguments))
+    def __init__(self, launched: list[tuple], packs: bool = False) -> None:
+        fixed = {f"a{i}": value for i, value in enumerate(FIXED, start=1)}
+        super().__init__(
+            launch_probe_wide_kernel, torch.device("cpu"), (1,), fixed, {"num_warps": 1}, ("out_ptr", "a0")
+        )
+        self._stream = lambda index: STREAM
+        self.launched, self.packs, self.checked = launched, packs, 0
 
-        self._compiled[key] = (None, DirectLaunch(record, (), (), packs_arguments=False))
-        launched.append((key, "compiled", values))
+    def _launch_checked(self, *values: torch.Tensor | int) -> None:
+        self.checked += 1
+        super()._launch_checked(*values)
 
-    monkeypatch.setattr(BoundLaunch, "_compile", compile_without_jit)
-    return bound
+    def _compile(self, key: tuple, values: tuple) -> None:
+        def record(head: str, stream: int, middle: str, *arguments: object) -> None:
+            assert (head, middle) == ("head", "middle")
+            self.launched.append((key, "direct", stream, arguments[0] if self.packs else arguments))
+
+        direct = DirectLaunch(record, ("head",), ("middle",), packs_arguments=self.packs)
+        self._compiled[key] = (_RecordingKernel(key, self.launched), direct)
+        self.launched.append((key, "compiled", values))
 
 
-def test_each_launch_reaches_its_own_specialization_as_they_alternate(monkeypatch: pytest.MonkeyPatch) -> None:
+def _key(out: torch.Tensor, a0: int) -> tuple:
+    """The specialization Triton gives the wide probe's per-launch ``out_ptr`` and ``a0``."""
+    return (out.dtype, out.data_ptr() % 16 == 0, (-(2**31) <= a0 < 2**31, a0 == 1, a0 % 16 == 0))
+
+
+_WORDS = torch.zeros(16, dtype=torch.int64)
+# Per-launch tensors: aligned, unaligned, another dtype, and another aligned address of the first's kind.
+_OUTS = (_WORDS[:2], _WORDS[1:3], torch.zeros(2, dtype=torch.int32), _WORDS[2:4])
+# Per-launch ints of every specialization: 32 bits or not, 1 or not, a multiple of 16 or not.
+_A0S = (3, 5, 1, 16, 0, -7, 2**40, 2**40 + 16, -(2**31) - 1, 2**31 - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    calls=st.lists(st.tuples(st.sampled_from(range(len(_OUTS))), st.sampled_from(_A0S)), min_size=1, max_size=24),
+    packs=st.booleans(),
+)
+def test_each_launch_reaches_its_own_specialization_with_its_own_values(
+    calls: list[tuple[int, int]], packs: bool
+) -> None:
     launched: list[tuple] = []
-    bound = _bound_without_a_gpu(monkeypatch, launched)
-    words = torch.zeros(8, dtype=torch.int64)
-    aligned, unaligned, other_dtype = words[:2], words[1:3], torch.zeros(2, dtype=torch.int32)
-    calls = [(aligned, 3), (aligned, 5), (unaligned, 5), (aligned, 7), (other_dtype, 7), (aligned, 1), (aligned, 2**40)]
-    for out, a0 in calls * 2:
+    bound = _BoundWithoutAGpu(launched, packs)
+    compiled: set[tuple] = set()
+    direct_key = None  # the specialization whose direct launcher a launch tries first
+    checked = 0
+    expected: list[tuple] = []
+    for index, a0 in calls:
+        out = _OUTS[index]
         bound(out, a0)
-    compiled = [entry for entry in launched if entry[1] == "compiled"]
-    # aligned int64 with an int32 a0 (3 and 5 and 7 share it), the unaligned view, int32, a0 == 1, a 64-bit a0
-    assert len(compiled) == 5 == len(bound._compiled)
-    direct = [entry for entry in launched if entry[1] != "compiled"]
-    assert len(direct) == 2 * len(calls) - len(compiled) and bound.launches == 2 * len(calls)
-    first_time = set()
-    for out, a0 in calls * 2:
-        key = (out.dtype, out.data_ptr() % 16 == 0, (-(2**31) <= a0 < 2**31, a0 == 1, a0 % 16 == 0))
-        if key in first_time:
-            specialization, stream, arguments = direct.pop(0)
-            assert specialization == key and stream == 0x5EA
-            assert arguments[:2] == (out.data_ptr(), a0) and arguments[2:] == tuple(range(1, 20))
-        first_time.add(key)
-    assert direct == []
+        key = _key(out, a0)
+        if key != direct_key:
+            checked += 1  # a launch of another specialization goes through the checked path
+        if key in compiled:
+            expected.append((key, "direct", STREAM, (out.data_ptr(), a0, *FIXED)))
+            direct_key = key
+        else:
+            expected.append((key, "compiled", (out, a0)))
+            compiled.add(key)
+    assert launched == expected
+    assert bound.launches == len(calls) and bound.checked == checked
+    assert len(bound._compiled) == len(compiled)
+
+
+def test_a_value_of_another_kind_takes_the_checked_path() -> None:
+    launched: list[tuple] = []
+    bound = _BoundWithoutAGpu(launched)
+    out = _OUTS[0]
+    for _ in range(3):
+        bound(out, 3)
+    assert bound.checked == 2  # the compile, then the direct launch that makes the direct launcher
+    bound(out, out)  # a tensor where the specialization has an int
+    bound(7, 3)  # an int where it has a tensor
+    assert bound.checked == 4 and bound.launches == 5
+    assert [entry[1] for entry in launched] == ["compiled", "direct", "direct", "compiled", "compiled"]
+
+
+@needs_hook_chains
+def test_a_hook_set_after_the_direct_launcher_is_made_still_sees_every_launch(enter_hook_calls: list[object]) -> None:
+    knobs.runtime.launch_enter_hook.remove(enter_hook_calls.append)
+    launched: list[tuple] = []
+    bound = _BoundWithoutAGpu(launched)
+    out = _OUTS[0]
+    for _ in range(3):
+        bound(out, 3)
+    key, arguments = _key(out, 3), (out.data_ptr(), 3, *FIXED)
+    knobs.runtime.launch_enter_hook.add(enter_hook_calls.append)  # the fixture removes it
+    bound(out, 3)
+    assert launched[-1] == (key, "Triton's launcher", STREAM, True, arguments)
+    knobs.runtime.launch_enter_hook.remove(enter_hook_calls.append)
+    bound(out, 3)
+    assert launched[-1] == (key, "direct", STREAM, arguments)
+    with through_tritons_launcher():
+        bound(out, 3)
+    assert launched[-1] == (key, "Triton's launcher", STREAM, False, arguments)
+    bound(out, 3)
+    assert launched[-1] == (key, "direct", STREAM, arguments)
+    assert bound.launches == 7 and len(launched) == 7
+    knobs.runtime.launch_enter_hook.add(enter_hook_calls.append)
+
+
+def test_an_older_tritons_hook_set_after_the_direct_launcher_is_made_still_sees_every_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)  # a Triton before 3.5: None where unset
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    launched: list[tuple] = []
+    bound = _BoundWithoutAGpu(launched)
+    out = _OUTS[0]
+    for _ in range(3):
+        bound(out, 3)
+    assert bound.checked == 2
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", _hook)
+    bound(out, 3)
+    assert launched[-1][1:4] == ("Triton's launcher", STREAM, True) and bound.checked == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launcher runs on a GPU (CPU: the JIT)")
@@ -211,6 +315,12 @@ def test_a_bound_launch_on_a_gpu_launches_directly_and_right() -> None:
         torch.cuda.synchronize()
         assert out.item() == sum(values.values()) and other.item() == sum(values.values())
     assert len(bound._compiled) == 2 and bound.launches == 7
+    fresh = [torch.full((4,), -7, dtype=torch.int64, device=device) for _ in range(3)]
+    for out in fresh:  # one specialization at new addresses: the direct launcher made for it launches them
+        bound(out)
+    torch.cuda.synchronize()
+    assert [out[0].item() for out in fresh] == [sum(values.values())] * 3 and (fresh[0][1:] == -7).all()
+    assert bound._launch in bound._direct_launchers.values() and bound.launches == 10
 
 
 def test_through_tritons_launcher_switches_every_bound_launch_and_back() -> None:
