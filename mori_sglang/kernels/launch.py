@@ -6,7 +6,8 @@ data movement. A ``BoundLaunch`` fixes a kernel's grid, constexprs, launch optio
 that do not change from step to step (the op's own buffers, as addresses) when it is made. Its first
 launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
 launches call the compiled kernel's C launcher directly (``DirectLaunch``) with the arguments that
-change per call (the caller's tensors) put in their places. Where a launch hook is set (a profiler's),
+change per call (the caller's tensors) put in their places, through a launcher generated for the
+specialization that only checks the values keep it. Where a launch hook is set (a profiler's),
 a launch goes through Triton's own launcher with the hooks and their metadata, as the JIT does. In
 Triton's interpreter every launch goes through the JIT.
 """
@@ -119,8 +120,6 @@ class BoundLaunch:
         # per-launch values in place.
         self._arguments = [_raw(args[name]) if name in args else options.get(name) for name in names]
         self._compiled: dict[tuple, _Compiled] = {}  # per specialization
-        self._last_specialization: list | None = None  # the last checked launch's, and its entry of ``_compiled``
-        self._last_compiled: _Compiled | None = None
         self._direct_launchers: dict[tuple, Callable[..., None]] = {}  # per specialization launched directly
         self._launch: Callable[..., None] = self._launch_checked
         # Straight to the compiled kernel on a GPU; through the JIT in the interpreter (CPU tensors).
@@ -146,7 +145,7 @@ class BoundLaunch:
             raise TypeError(f"{len(values)} per-launch arguments for {self._variable}")
         arguments = self._arguments
         # The specialization, flat: per tensor its dtype and alignment, per int Triton's three tests.
-        specialization = []
+        specialization: list = []
         for position, value in zip(self._positions, values, strict=False):  # lengths checked above
             if isinstance(value, int):
                 arguments[position] = value
@@ -156,15 +155,11 @@ class BoundLaunch:
                 specialization.append(value.dtype)
                 specialization.append(address % POINTER_ALIGN == 0)
         key = tuple(specialization)
-        if specialization == self._last_specialization:
-            kernel, direct = self._last_compiled
-        else:
-            compiled = self._compiled.get(key)
-            if compiled is None:
-                self._compile(key, values)
-                return
-            kernel, direct = self._last_compiled = compiled
-            self._last_specialization = specialization
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._compile(key, values)
+            return
+        kernel, direct = compiled
         stream = self._stream(self._device_index)
         hooks = launch_hooks()
         if hooks is not None or direct is None or not self.direct_launches:
