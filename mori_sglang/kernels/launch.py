@@ -175,16 +175,16 @@ class BoundLaunch:
             direct.c_launch(*direct.head, stream, *direct.middle, *arguments)
         launcher = self._direct_launchers.get(key)
         if launcher is None:
-            launcher = self._direct_launchers[key] = self._direct_launcher(values, direct)
+            launcher = self._direct_launchers[key] = self._direct_launcher(key, values, direct)
         self._launch = launcher
 
-    def _direct_launcher(self, values: tuple, direct: DirectLaunch) -> Callable[..., None]:
-        """The launch of the specialization of ``values`` as straight-line code, made once per
-        specialization (as Triton makes its own argument binder): it reads each tensor's address, and
-        where every value keeps the specialization and no hook is set, writes the values and the
-        current stream into the C launcher's arguments, made once here, and calls it; otherwise it
-        takes the checked path. A loop over the values, as the checked path runs, costs about twice as
-        much per launch."""
+    def _direct_launcher(self, key: tuple, values: tuple, direct: DirectLaunch) -> Callable[..., None]:
+        """The launch of specialization ``key`` (as ``_launch_checked`` reads it from ``values``) as
+        straight-line code, made once per specialization (as Triton makes its own argument binder): it
+        reads each tensor's address, and where every value keeps the specialization and no hook is
+        set, writes the values and the current stream into the C launcher's arguments, made once here,
+        and calls it; otherwise it takes the checked path. A loop over the values, as the checked path
+        runs, costs about twice as much per launch."""
         parameters = [f"v{index}" for index in range(len(values))]
         call = [*direct.head, None, *direct.middle]
         stream_at = len(direct.head)
@@ -193,11 +193,12 @@ class BoundLaunch:
         else:  # spread at the end of the call
             call += self._arguments
             arguments, first = call, len(call) - len(self._arguments)
-        reads, holds, stores = [], [], []
+        reads, holds, stores, dtypes = [], [], [], {}
+        specialization = iter(key)  # per int its three tests, per tensor its dtype and alignment
         for index, (value, position) in enumerate(zip(values, self._positions, strict=True)):
             name, at = parameters[index], first + position
             if isinstance(value, int):
-                fits, is_one, aligned = _int_specialization(value)
+                fits, is_one, aligned = next(specialization)
                 holds += [
                     f"{name}.__class__ is int",
                     _holds(f"{-(2**31)} <= {name} < {2**31}", fits),
@@ -206,11 +207,9 @@ class BoundLaunch:
                 ]
                 stores.append(f"arguments[{at}] = {name}")
             else:
+                dtypes[f"dtype_{index}"], aligned = next(specialization), next(specialization)
                 reads.append(f"a{index} = {name}.data_ptr()")
-                holds += [
-                    f"{name}.dtype is dtype_{index}",
-                    _holds(f"a{index} % {POINTER_ALIGN} == 0", value.data_ptr() % POINTER_ALIGN == 0),
-                ]
+                holds += [f"{name}.dtype is dtype_{index}", _holds(f"a{index} % {POINTER_ALIGN} == 0", aligned)]
                 stores.append(f"arguments[{at}] = a{index}")
         holds += [_no_hooks_test(), "BoundLaunch.direct_launches"]
         signature = ", ".join(parameters)
@@ -230,7 +229,7 @@ class BoundLaunch:
             "stream": self._stream,
             "device_index": self._device_index,
             "c_launch": direct.c_launch,
-            **{f"dtype_{i}": value.dtype for i, value in enumerate(values) if not isinstance(value, int)},
+            **dtypes,
         }
         exec(compile("\n".join(lines), f"<direct launch of {self.kernel.__name__}>", "exec"), namespace)
         return namespace["launch"]

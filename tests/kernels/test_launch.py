@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from triton import knobs
 
@@ -214,6 +214,9 @@ _A0S = (3, 5, 1, 16, 0, -7, 2**40, 2**40 + 16, -(2**31) - 1, 2**31 - 1)
 
 
 @settings(max_examples=60, deadline=None)
+# Aligned int64 with an int32 a0 (3, 5 and 7 share it), the unaligned view, int32, a0 == 1, a 64-bit a0,
+# in turn and again.
+@example(calls=[(0, 3), (0, 5), (1, 5), (0, 7), (2, 7), (0, 1), (0, 2**40)] * 2, packs=False)
 @given(
     calls=st.lists(st.tuples(st.sampled_from(range(len(_OUTS))), st.sampled_from(_A0S)), min_size=1, max_size=24),
     packs=st.booleans(),
