@@ -198,13 +198,8 @@ class BoundLaunch:
         for index, (value, position) in enumerate(zip(values, self._positions, strict=True)):
             name, at = parameters[index], first + position
             if isinstance(value, int):
-                fits, is_one, aligned = next(specialization)
-                holds += [
-                    f"{name}.__class__ is int",
-                    _holds(f"{-(2**31)} <= {name} < {2**31}", fits),
-                    _holds(f"{name} == 1", is_one),
-                    _holds(f"{name} % {POINTER_ALIGN} == 0", aligned),
-                ]
+                tests = zip(_INT_TESTS, next(specialization), strict=True)
+                holds += [f"{name}.__class__ is int", *(_holds(test.format(name), outcome) for test, outcome in tests)]
                 stores.append(f"arguments[{at}] = {name}")
             else:
                 dtypes[f"dtype_{index}"], aligned = next(specialization), next(specialization)
@@ -242,9 +237,13 @@ class BoundLaunch:
         )
 
 
-def _int_specialization(value: int) -> tuple[bool, bool, bool]:
-    """What Triton specializes an int argument on: whether it fits 32 bits, is 1, is a multiple of 16."""
-    return -(2**31) <= value < 2**31, value == 1, value % POINTER_ALIGN == 0
+# What Triton specializes an int argument on, as Python tests of the value ``{0}``: whether it fits 32
+# bits, is 1, is a multiple of 16. A direct launcher inlines them; the checked path runs them through
+# ``_int_specialization``, made from the same tests.
+_INT_TESTS = (f"{-(2**31)} <= {{0}} < {2**31}", "{0} == 1", f"{{0}} % {POINTER_ALIGN} == 0")
+_int_specialization: Callable[[int], tuple[bool, bool, bool]] = eval(
+    f"lambda value: ({', '.join(test.format('value') for test in _INT_TESTS)})"
+)
 
 
 def _no_hooks_test() -> str:
