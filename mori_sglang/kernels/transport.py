@@ -101,6 +101,14 @@ def _after_previous_kernel(PDL: tl.constexpr):
 
 
 @triton.jit
+def _in_arena(arena_ptr, offset, dtype: tl.constexpr):
+    """A ``dtype`` pointer to byte ``offset`` of this rank's arena, whose address ``arena_ptr`` comes as
+    an int argument: widened to 64 bits first, as Triton types an int that fits 32 bits as i32 (a host
+    address can), and only a 64-bit int converts to a pointer."""
+    return (arena_ptr.to(tl.int64) + offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
 def _peer_words(peer_bases, offset, rank, W: tl.constexpr, WP: tl.constexpr):
     """This rank's int64 word of the sync array at byte ``offset`` in every rank's arena, and which of
     the WP lanes are ranks."""
@@ -206,7 +214,7 @@ def _await_round(
     if tl.atomic_add(gate, 0, sem="acquire", scope="gpu") < target:
         w_offs = tl.arange(0, WP)
         senders = w_offs < W
-        arrivals = (arena_ptr + arrivals_offset).to(tl.pointer_type(tl.int64)) + w_offs
+        arrivals = _in_arena(arena_ptr, arrivals_offset, tl.int64) + w_offs
         late = _late_senders(arrivals, senders, target)
         start = _clock_ns(CLOCK)
         deadline = start + timeout_ns
@@ -863,10 +871,10 @@ def dispatch_recv_kernel(
     pid = tl.program_id(0)
     _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, timeout_ns, W, WP, CLOCK)
     w_offs = tl.arange(0, WP)
-    counts_ptr = (arena_ptr + counts_offset).to(tl.pointer_type(tl.int64))
+    counts_ptr = _in_arena(arena_ptr, counts_offset, tl.int64)
     counts = tl.load(counts_ptr + w_offs, mask=w_offs < W, other=0, volatile=True)
     total = tl.sum(counts, 0)
-    rows = arena_ptr.to(tl.pointer_type(tl.int32))
+    rows = _in_arena(arena_ptr, 0, tl.int32)
     k_offs = tl.arange(0, KP)
     k_mask = k_offs < K
     s_offs = tl.arange(0, SCALE_BLOCK)
@@ -1060,7 +1068,7 @@ def combine_recv_kernel(
     _await_round(arena_ptr, arrivals_offset, round_ptr, status_ptr, timeout_ns, W, WP, CLOCK)
     NUM_BLOCKS: tl.constexpr = (HIDDEN + BLOCK - 1) // BLOCK
     TILES: tl.constexpr = (NUM_BLOCKS + TILE_BLOCKS - 1) // TILE_BLOCKS
-    rows = (arena_ptr + combine_offset).to(tl.pointer_type(tl.uint8))
+    rows = _in_arena(arena_ptr, combine_offset, tl.uint8)
     cols = tl.arange(0, BLOCK_P2)
     for item in range(pid, num_tokens * TILES, tl.num_programs(0)):
         n = item // TILES

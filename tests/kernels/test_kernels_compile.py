@@ -100,3 +100,41 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
         early = spec["constants"]["PDL"] == transport.PDL_EARLY
         assert control["instructions"] == (["launch_dependents", "wait"] if early else ["wait"]), spec["kernel"]
         assert control["waits_first"], f"{spec['kernel']} touches global memory before its grid wait"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", ["i32", "i64"])
+def test_every_launch_compiles_whatever_width_triton_gives_its_ints(width: str, tmp_path: Path) -> None:
+    """Triton types an int argument that fits 32 bits as i32, else i64, and the arena's address is an
+    int: a host whose heap lies below 2**31 (as where Python's binary is not position-independent) hands
+    the interpreter's recorder such an address. Every launch compiles with all its ints of either width."""
+    with recorded_launches() as launches:
+        cfg = EpConfig(2, 0, 256, 8, 4, max_tokens_per_rank=4, dispatch_dtype=DispatchDtype.FP8,
+                       combine_dtype=CombineDtype.FP8_BLOCKWISE, mode=Mode.INTRANODE, provider="triton",
+                       fp8_dtype=torch.float8_e4m3fn)  # fmt: skip
+        _step(cfg, [3, 1], "self")
+    ints = {"i32", "i64"}
+    unique = [
+        {**s, "signature": {k: width if v in ints else v for k, v in s["signature"].items()}}
+        for s in launch_specs.unique(launches)
+    ]
+    assert {s["kernel"] for s in unique} == set(KERNELS)
+    assert all(width in s["signature"].values() for s in unique)
+    spins = triton_provider.COUNT_SPINS
+    specs = {
+        "sm_90": [as_gpu_launch(as_hopper_launch(s), transport.CLOCK_CUDA, spins) for s in unique],
+        "gfx942": [as_gpu_launch(s, transport.CLOCK_HIP, spins) for s in unique],
+    }
+    spec_file = tmp_path / "launches.json"
+    spec_file.write_text(json.dumps(specs))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("compile_launches.py")), str(spec_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["compiled"] == 2 * len(unique)

@@ -41,15 +41,17 @@ def _config(world: int = WORLD, hidden: int = HIDDEN, **overrides: object) -> Ep
 
 
 def _inputs(cfg: EpConfig, counts: list[int], seed: int):
-    gen = torch.Generator().manual_seed(seed)
+    """Random tokens (magnitudes 1e-4 to 1e2), expert ids (10 % dropped as -1) and weights per rank, made
+    on the device: the GPU soak's thousand rounds would otherwise spend minutes in the host's generator."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
     xs, weights, ids = [], [], []
     for n in counts:
-        magnitude = 10.0 ** torch.randint(-4, 3, (n, 1), generator=gen)
-        xs.append((torch.randn(n, cfg.hidden, generator=gen) * magnitude).to(torch.bfloat16).to(DEVICE))
-        topk = torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices
-        drop = torch.rand(n, cfg.topk, generator=gen) < 0.1
-        ids.append(torch.where(drop, -1, topk).int().to(DEVICE))
-        weights.append(torch.rand(n, cfg.topk, generator=gen).to(DEVICE))
+        magnitude = 10.0 ** torch.randint(-4, 3, (n, 1), generator=gen, device=DEVICE)
+        xs.append((torch.randn(n, cfg.hidden, generator=gen, device=DEVICE) * magnitude).to(torch.bfloat16))
+        topk = torch.rand(n, cfg.num_experts, generator=gen, device=DEVICE).topk(cfg.topk, dim=1).indices
+        drop = torch.rand(n, cfg.topk, generator=gen, device=DEVICE) < 0.1
+        ids.append(torch.where(drop, -1, topk).int())
+        weights.append(torch.rand(n, cfg.topk, generator=gen, device=DEVICE))
     return xs, weights, ids
 
 
