@@ -55,6 +55,24 @@ def _step(cfg: EpConfig, tokens: list[int], routing: str) -> None:
     world.combine(ys, [out.handle for out in outs])
 
 
+def _compile_in_subprocess(specs: dict[str, list[dict]], tmp_path: Path) -> dict:
+    """Compile ``specs`` (launches per target) with ``compile_launches.py``, outside Triton's interpreter,
+    and return its report."""
+    spec_file = tmp_path / "launches.json"
+    spec_file.write_text(json.dumps(specs))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("compile_launches.py")), str(spec_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(triton_provider, "programmatic_launch", lambda device: False)  # recorded as without it
@@ -75,19 +93,7 @@ def test_every_launch_compiles_for_hopper_and_mi300(monkeypatch: pytest.MonkeyPa
         "sm_90": [as_gpu_launch(s, transport.CLOCK_CUDA, spins) for s in unique + hopper],
         "gfx942": [as_gpu_launch(as_fnuz(s), transport.CLOCK_HIP, spins) for s in unique],
     }
-    spec_file = tmp_path / "launches.json"
-    spec_file.write_text(json.dumps(specs))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("compile_launches.py")), str(spec_file)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report = _compile_in_subprocess(specs, tmp_path)
     assert report["compiled"] == sum(len(v) for v in specs.values())
     # Every kernel moves rows: its sm_90 code must not touch global memory a byte at a time.
     narrow = [f"{k}: {v}" for k, v in report["byte_wide"].items() if v]
@@ -125,16 +131,4 @@ def test_every_launch_compiles_whatever_width_triton_gives_its_ints(width: str, 
         "sm_90": [as_gpu_launch(as_hopper_launch(s), transport.CLOCK_CUDA, spins) for s in unique],
         "gfx942": [as_gpu_launch(s, transport.CLOCK_HIP, spins) for s in unique],
     }
-    spec_file = tmp_path / "launches.json"
-    spec_file.write_text(json.dumps(specs))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("compile_launches.py")), str(spec_file)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1])["compiled"] == 2 * len(unique)
+    assert _compile_in_subprocess(specs, tmp_path)["compiled"] == 2 * len(unique)
