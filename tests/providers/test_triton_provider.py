@@ -99,20 +99,35 @@ def _check_combine_wire(world: LoopbackWorld, outs, counts, ys, snapshots) -> No
 
 
 def _assert_same(ref, got, scale_bytes: int) -> None:
+    """Every rank's received tokens, ids, weights, scale rows (pads zero) and combined output, bit for bit.
+    Compared on the device and read back once: the GPU soak runs a thousand rounds."""
     ref_outs, ref_counts, _, ref_comb, _ = ref
     outs, counts, _, comb, _ = got
     assert counts == ref_counts
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for r, n in enumerate(counts):
         a, b = ref_outs[r], outs[r]
-        assert torch.equal(a.tokens[:n].view(torch.uint8).cpu(), b.tokens[:n].view(torch.uint8).cpu())
-        assert torch.equal(a.topk_ids[:n].cpu(), b.topk_ids[:n].cpu())
-        assert torch.equal(a.topk_weights[:n].view(torch.int32).cpu(), b.topk_weights[:n].view(torch.int32).cpu())
+        pairs += [
+            (f"tokens of rank {r}", a.tokens[:n].view(torch.uint8), b.tokens[:n].view(torch.uint8)),
+            (f"topk_ids of rank {r}", a.topk_ids[:n], b.topk_ids[:n]),
+            (f"topk_weights of rank {r}", a.topk_weights[:n].view(torch.int32), b.topk_weights[:n].view(torch.int32)),
+            (f"combined output of rank {r}", ref_comb[r].view(torch.int16), comb[r].view(torch.int16)),
+        ]
         if scale_bytes:
-            assert torch.equal(a.recv_scales()[:n].cpu(), b.recv_scales()[:n].cpu())
             padded = b.scales.as_strided((n, b.scale_stride), (b.scale_stride, 1))
             assert b.scale_stride % 128 == 0
-            assert not padded[:, scale_bytes:].any(), "scale row pad bytes must be zero"
-        assert torch.equal(ref_comb[r].view(torch.int16).cpu(), comb[r].view(torch.int16).cpu()), f"rank {r}"
+            pairs += [
+                (f"scales of rank {r}", a.recv_scales()[:n], b.recv_scales()[:n]),
+                (
+                    f"scale row pad bytes of rank {r} (must be zero)",
+                    padded[:, scale_bytes:],
+                    torch.zeros_like(padded[:, scale_bytes:]),
+                ),
+            ]
+    for name, a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {a.shape} {a.dtype} against {b.shape} {b.dtype}"
+    differs = torch.stack([(a != b).any() for _, a, b in pairs]).tolist()
+    assert not any(differs), [name for (name, _, _), d in zip(pairs, differs, strict=True) if d]
 
 
 COMBINES = [
