@@ -104,30 +104,25 @@ def _assert_same(ref, got, scale_bytes: int) -> None:
     ref_outs, ref_counts, _, ref_comb, _ = ref
     outs, counts, _, comb, _ = got
     assert counts == ref_counts
-    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    flags: list[tuple[str, torch.Tensor]] = []  # what is checked, and whether it failed, on the device
+
+    def differs(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {a.shape} {a.dtype} against {b.shape} {b.dtype}"
+        flags.append((name, (a != b).any()))
+
     for r, n in enumerate(counts):
         a, b = ref_outs[r], outs[r]
-        pairs += [
-            (f"tokens of rank {r}", a.tokens[:n].view(torch.uint8), b.tokens[:n].view(torch.uint8)),
-            (f"topk_ids of rank {r}", a.topk_ids[:n], b.topk_ids[:n]),
-            (f"topk_weights of rank {r}", a.topk_weights[:n].view(torch.int32), b.topk_weights[:n].view(torch.int32)),
-            (f"combined output of rank {r}", ref_comb[r].view(torch.int16), comb[r].view(torch.int16)),
-        ]
+        differs(f"tokens of rank {r}", a.tokens[:n].view(torch.uint8), b.tokens[:n].view(torch.uint8))
+        differs(f"topk_ids of rank {r}", a.topk_ids[:n], b.topk_ids[:n])
+        differs(f"topk_weights of rank {r}", a.topk_weights[:n].view(torch.int32), b.topk_weights[:n].view(torch.int32))
+        differs(f"combined output of rank {r}", ref_comb[r].view(torch.int16), comb[r].view(torch.int16))
         if scale_bytes:
+            differs(f"scales of rank {r}", a.recv_scales()[:n], b.recv_scales()[:n])
             padded = b.scales.as_strided((n, b.scale_stride), (b.scale_stride, 1))
             assert b.scale_stride % 128 == 0
-            pairs += [
-                (f"scales of rank {r}", a.recv_scales()[:n], b.recv_scales()[:n]),
-                (
-                    f"scale row pad bytes of rank {r} (must be zero)",
-                    padded[:, scale_bytes:],
-                    torch.zeros_like(padded[:, scale_bytes:]),
-                ),
-            ]
-    for name, a, b in pairs:
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {a.shape} {a.dtype} against {b.shape} {b.dtype}"
-    differs = torch.stack([(a != b).any() for _, a, b in pairs]).tolist()
-    assert not any(differs), [name for (name, _, _), d in zip(pairs, differs, strict=True) if d]
+            flags.append((f"scale row pad bytes of rank {r} (must be zero)", padded[:, scale_bytes:].any()))
+    failed = torch.stack([flag for _, flag in flags]).tolist()
+    assert not any(failed), [name for (name, _), bad in zip(flags, failed, strict=True) if bad]
 
 
 COMBINES = [
