@@ -35,8 +35,6 @@ from mori_sglang.tools.measure import (
     copy_bandwidth,
     count_launches,
     graph_replay,
-    host_us_per_call,
-    kept_busy,
     kept_busy_text,
     time_eager,
     time_phases,
@@ -44,8 +42,9 @@ from mori_sglang.tools.measure import (
 from mori_sglang.tools.step import LoopbackStep
 from mori_sglang.tools.workload import add_workload_args, report_progress, speedup_cells, workload_configs
 
-# The torch launch each eager row is measured against: launches per timed repeat, and repeats.
-TORCH_LAUNCHES, REPEATS = 200, 5
+# The torch launches each eager row is measured against, timed beside each iteration of its step as
+# one more phase of it.
+STEP_TORCH_LAUNCHES = 8
 
 
 @dataclass
@@ -84,9 +83,11 @@ class EagerRow:
     ``launches``: device operations (kernels, copies, fills) per call, from the profiler (None on CPU, and
     until ``count_eager_launches`` fills them in); ``d2h_copies``: device-to-host copies per step
     (likewise); ``graph_us``: the same phases replayed from a graph;
-    ``torch_launch_us``: one torch launch's host µs (an in-place add, timed the same way in the same
-    run), the unit that makes host times of different hosts comparable (a lent VM's launches cost twice
-    a bare-metal host's)."""
+    ``torch_launch_us``: one torch launch's host µs (an in-place add, timed the same way as one more
+    phase of every iteration), the unit that makes host times of different hosts comparable (a lent
+    VM's launches cost twice a bare-metal host's); ``host_in_torch_launches``: the median over the
+    iterations of each one's step (the four calls, per rank) in its own torch launches, so that a host
+    that changes speed within a run changes both sides of the ratio."""
 
     host_us: list[float]
     device_us: list[float] | None
@@ -96,6 +97,7 @@ class EagerRow:
     # Every host measurement ended before the device reached the calls' work (None on a CPU: no device).
     device_kept_busy: bool | None
     torch_launch_us: float
+    host_in_torch_launches: float
 
 
 def bench_one(
@@ -143,19 +145,28 @@ def _eager_row(
     phases: list[Callable[[], None]], device: torch.device, iters: int, world: int, graph_us: list[float] | None
 ) -> EagerRow:
     """Eager timings of the four phases, per rank; the launch counts come later (``count_eager_launches``)."""
-    for phase in phases:  # warm-up, also of whatever the calls cache
-        phase()
-    host, dev, busy = time_eager(phases, device, iters)
     one = torch.zeros(1, device=device)
-    torch_launch_us, torch_busy = host_us_per_call(lambda: one.add_(1), device, TORCH_LAUNCHES, REPEATS)
+
+    def torch_launches() -> None:
+        for _ in range(STEP_TORCH_LAUNCHES):
+            one.add_(1)
+
+    timed = [*phases, torch_launches]
+    for phase in timed:  # warm-up, also of whatever the calls cache
+        phase()
+    host, dev, busy = time_eager(timed, device, iters)
+    steps, launch = [sum(calls) / world for calls in zip(*host[:-1], strict=True)], host[-1]
     return EagerRow(
-        host_us=[statistics.median(t) * 1e6 / world for t in host],
-        device_us=[statistics.median(t) * 1e6 / world for t in dev] if dev is not None else None,
+        host_us=[statistics.median(t) * 1e6 / world for t in host[:-1]],
+        device_us=[statistics.median(t) * 1e6 / world for t in dev[:-1]] if dev is not None else None,
         launches=None,
         d2h_copies=None,
         graph_us=[t / world for t in graph_us] if graph_us is not None else None,
-        device_kept_busy=kept_busy(busy, torch_busy),
-        torch_launch_us=torch_launch_us,
+        device_kept_busy=busy,
+        torch_launch_us=statistics.median(launch) * 1e6 / STEP_TORCH_LAUNCHES,
+        host_in_torch_launches=statistics.median(
+            step * STEP_TORCH_LAUNCHES / t for step, t in zip(steps, launch, strict=True)
+        ),
     )
 
 
@@ -260,7 +271,7 @@ def eager_markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {r.provider} | {r.mode} | {r.tokens} | {r.dispatch_dtype} | {r.combine_dtype} | "
             f"{cells(e.host_us, '.1f')} | {cells(e.device_us, '.1f')} | {cells(e.graph_us, '.1f')} | "
-            f"{cells(e.launches, 'g')} | {d2h} | {e.torch_launch_us:.2f} | {sum(e.host_us) / e.torch_launch_us:.1f} | "
+            f"{cells(e.launches, 'g')} | {d2h} | {e.torch_launch_us:.2f} | {e.host_in_torch_launches:.1f} | "
             f"{kept_busy_text(e.device_kept_busy)} |"
         )
     return "\n".join(lines)

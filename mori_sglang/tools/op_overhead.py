@@ -33,9 +33,11 @@ from mori_sglang import cli
 from mori_sglang.config import EpConfig, Mode
 from mori_sglang.kernels.launch import BoundLaunch, through_tritons_launcher
 from mori_sglang.loopback import LoopbackWorld
-from mori_sglang.tools.bench import REPEATS, TORCH_LAUNCHES
 from mori_sglang.tools.measure import PHASES, host_us_per_call, kept_busy_text, time_eager
 from mori_sglang.tools.step import LoopbackStep
+
+# The torch launch each round is measured against: launches per timed repeat, and repeats.
+TORCH_LAUNCHES, REPEATS = 200, 5
 
 
 @dataclass
