@@ -112,14 +112,9 @@ def time_eager(
     return host, dev, busy
 
 
-def kept_busy(*flags: bool | None) -> bool | None:
-    """Whether the device was kept busy through every timing of ``flags`` (``time_eager``'s third
-    value); None where any ran without a device."""
-    return None if None in flags else all(flags)
-
-
 def kept_busy_text(flag: bool | None) -> str:
-    """A table's cell for ``kept_busy``: a CPU has no device to keep busy, which is neither yes nor no."""
+    """A table's cell for whether the device was kept busy (``time_eager``'s third value): a CPU has no
+    device to keep busy, which is neither yes nor no."""
     return "no device" if flag is None else "yes" if flag else "no"
 
 
