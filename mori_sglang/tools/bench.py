@@ -7,7 +7,9 @@ Every rank's buffers sit on one device, so the numbers measure the kernels' memo
 the device's own copy bandwidth (measured in the same run), and the torch provider runs the same
 steps beside them as the baseline. Bandwidth follows MoRI's accounting: received rows x row bytes.
 On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test), and so is
-the whole step in one graph ("step µs, one graph"), as a server's decode graph holds it.
+the whole step in one graph ("step µs, one graph"), as a server's decode graph holds it, and beside it
+the floor of such a step: the phases' least traffic moved by one plain device copy per rank and phase
+("copy floor µs, one graph"), launches and ramp-up included.
 
 ``--eager`` also launches every phase from Python, as a server without CUDA graphs does, and reports per
 rank and phase the host time of the calls, the device time of what they queued and the launches they
@@ -33,6 +35,7 @@ from mori_sglang.routing import owning_destinations
 from mori_sglang.tools.measure import (
     PHASES,
     copy_bandwidth,
+    copy_floor_step,
     count_launches,
     graph_replay,
     kept_busy_text,
@@ -72,6 +75,9 @@ class Row:
     # The whole step (four phases, every rank) replayed from one CUDA graph, summed over the ranks like the
     # phases: what the phases' separate graphs and timings leave out or add (None where nothing is graphed).
     step_graph_us: float | None = None
+    # The same phases' least traffic moved by one plain device copy per rank and phase, in one CUDA graph
+    # (``measure.copy_floor_step``): the floor the step's graph time compares with, measured in the run.
+    copy_floor_us: float | None = None
     eager: EagerRow | None = None  # with --eager
 
 
@@ -121,12 +127,16 @@ def bench_one(
     times = [statistics.median(t) * 1e6 for t in time_phases(phases, device, iters)]
     pairs = sum(int((owning_destinations(i, cfg.num_local_experts) >= 0).sum()) for i in step.ids)
     recv_rows = _received_rows(step, pairs)  # after the phases' replays
-    row = _row(cfg, tokens, times, recv_rows, step.world.ops[0], copy_gbs)
+    op = step.world.ops[0]
+    row = _row(cfg, tokens, times, recv_rows, op, copy_gbs)
     if graphed:
         whole = graph_replay(step.whole_step)
         whole()
         row.step_graph_us = statistics.median(time_phases([whole], device, iters)[0]) * 1e6
         _received_rows(step, pairs)  # after the whole step's replays
+        floor = graph_replay(copy_floor_step(least_traffic(cfg, tokens, recv_rows, op), cfg.world_size, device))
+        floor()
+        row.copy_floor_us = statistics.median(time_phases([floor], device, iters)[0]) * 1e6
     if eager:
         row.eager = _eager_row(eager_phases, device, iters, cfg.world_size, times if graphed else None)
         _received_rows(step, pairs)
@@ -183,24 +193,28 @@ def count_eager_launches(measured: list[tuple[Row, EpConfig]], device: torch.dev
             row.eager.d2h_copies = sum(c[1] for c in counts) / cfg.world_size
 
 
-def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw: float) -> Row:
-    ds, dr, cs, cr = times
-    dispatch_bytes = recv_rows * (op.layout.token_bytes + op.layout.scale_bytes)
+def least_traffic(cfg: EpConfig, tokens: int, recv_rows: int, op) -> list[int]:
+    """Bytes each phase must read plus write at least, summed over the ranks (the triton provider's
+    model): the dispatch send reads every bf16 token once and writes one packed row per destination;
+    the receive copies the rows out compact; the combine send reads each expert output and writes its
+    wire row; the combine receive reads the wire rows and writes one bf16 row per token."""
     combine_row = formats.combine_row_bytes(cfg.combine_dtype, cfg.hidden, cfg.combine_block)
-    combine_bytes = recv_rows * combine_row
     sent_tokens = cfg.world_size * tokens
-    # The least traffic of each phase (the triton provider's model): the dispatch send reads every bf16
-    # token once and writes one packed row per destination; the receive copies the rows out compact;
-    # the combine send reads each expert output and writes its wire row; the combine receive reads the
-    # wire rows and writes one bf16 row per token.
     row_bytes = op.layout.row_bytes
     bf16_row = 2 * cfg.hidden
-    traffic = [
+    return [
         sent_tokens * bf16_row + recv_rows * row_bytes,
         2 * recv_rows * row_bytes,
         recv_rows * (bf16_row + combine_row),
         recv_rows * combine_row + sent_tokens * bf16_row,
     ]
+
+
+def _row(cfg: EpConfig, tokens: int, times: list[float], recv_rows: int, op, bw: float) -> Row:
+    ds, dr, cs, cr = times
+    dispatch_bytes = recv_rows * (op.layout.token_bytes + op.layout.scale_bytes)
+    combine_bytes = recv_rows * formats.combine_row_bytes(cfg.combine_dtype, cfg.hidden, cfg.combine_block)
+    traffic = least_traffic(cfg, tokens, recv_rows, op)
     pct = [100 * t / (us * 1e-6) / 1e9 / bw for t, us in zip(traffic, times, strict=True)]
     return Row(
         provider=op.provider_kind.value,
@@ -231,8 +245,8 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
         "",
         "| provider | mode | tokens/rank | dispatch | combine | dispatch µs | combine µs | dispatch GB/s | "
         "combine GB/s | % roof: dispatch send | dispatch recv | combine send | combine recv | round trip | "
-        "dispatch x torch | combine x torch | step µs, one graph |",
-        "| --- | --- | ---: | --- | --- |" + " ---: |" * 12,
+        "dispatch x torch | combine x torch | step µs, one graph | copy floor µs, one graph |",
+        "| --- | --- | ---: | --- | --- |" + " ---: |" * 13,
     ]
     for r in rows:
         ratio_d, ratio_c = speedup_cells(r, baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype)))
@@ -241,9 +255,13 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
             f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.0f} | {r.combine_gbs:.0f} | "
             f"{r.dispatch_send_pct:.0f} | {r.dispatch_recv_pct:.0f} | {r.combine_send_pct:.0f} | "
             f"{r.combine_recv_pct:.0f} | {r.round_trip_pct:.0f} | "
-            f"{ratio_d} | {ratio_c} | {'-' if r.step_graph_us is None else f'{r.step_graph_us:.1f}'} |"
+            f"{ratio_d} | {ratio_c} | {_us_cell(r.step_graph_us)} | {_us_cell(r.copy_floor_us)} |"
         )
     return "\n".join(lines)
+
+
+def _us_cell(us: float | None) -> str:
+    return "-" if us is None else f"{us:.1f}"
 
 
 def eager_markdown(rows: list[Row]) -> str:

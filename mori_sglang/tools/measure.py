@@ -173,6 +173,31 @@ def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+# Where each copy of ``copy_floor_step`` starts (bytes): torch's allocator aligns blocks at least this far.
+COPY_ALIGN = 256
+
+
+def copy_floor_step(phase_bytes: Sequence[int], world: int, device: torch.device) -> Callable[[], None]:
+    """A step that only copies: per phase of ``phase_bytes`` (bytes each phase reads plus writes, summed
+    over the ranks) one device-to-device copy per rank of that rank's share, in the step's order, each
+    between buffers of its own so that no copy reads what another left in the cache. Replayed from a
+    graph it is the floor of a step that launches a kernel per rank and phase and moves the same bytes:
+    each copy's launch, ramp-up and bytes, and no routing, quantization or synchronisation."""
+    sizes = [max(1, total // (2 * world)) for total in phase_bytes for _ in range(world)]
+    starts = [0]
+    for size in sizes:  # each copy starts on a 256-byte boundary, as an allocation would
+        starts.append(starts[-1] + -(-size // COPY_ALIGN) * COPY_ALIGN)
+    src = torch.empty(starts[-1], dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    pairs = [(dst[start : start + size], src[start : start + size]) for start, size in zip(starts, sizes, strict=False)]
+
+    def step() -> None:
+        for to, source in pairs:
+            to.copy_(source)
+
+    return step
+
+
 def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, rows: int | None = None) -> torch.Tensor:
     """What an expert that returns its input would produce: the dequantized received tokens, as bf16.
 

@@ -3,6 +3,7 @@ interpreter, triton providers) and the distributed bench under torchrun over glo
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -50,25 +51,27 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
     assert [r[0] for r in rows] == ["triton", "torch", "triton", "torch"]
     assert [r[4] for r in rows] == ["bf16", "bf16", "fp8", "fp8"]  # the env name of the long name asked for
     assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
-    assert [r[16] for r in rows] == ["-"] * 4  # no CUDA graph of the whole step on a CPU
+    assert [r[16:] for r in rows] == [["-", "-"]] * 4  # no CUDA graph of the step or its copy floor on a CPU
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 4 and data["copy_gbs"] > 0
-    assert all(r["step_graph_us"] is None for r in data["rows"])
+    assert all(r["step_graph_us"] is None and r["copy_floor_us"] is None for r in data["rows"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the step is replayed from a CUDA graph)")
 def test_bench_times_the_whole_step_in_one_graph_beside_its_phases() -> None:
-    """On a GPU each triton row also replays the whole step from one graph (the torch baseline runs
-    eagerly, so it has none); the bench checks every received row after the replays."""
+    """On a GPU each triton row also replays the whole step, and its copy floor, from one graph each (the
+    torch baseline runs eagerly, so it has neither); the bench checks every received row after the
+    replays."""
     from mori_sglang.tools import bench
 
     rows = bench.main(["--world", "2", "--tokens", "4", "--mode", "low_latency", "--device", "cuda", *SMALL])
     assert [r.provider for r in rows] == ["triton", "torch"] * 2
     for row in rows:
         if row.provider == "triton":
-            assert row.step_graph_us is not None and math.isfinite(row.step_graph_us) and row.step_graph_us > 0
+            for us in (row.step_graph_us, row.copy_floor_us):
+                assert us is not None and math.isfinite(us) and us > 0
         else:
-            assert row.step_graph_us is None
+            assert row.step_graph_us is None and row.copy_floor_us is None
 
 
 def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> None:
@@ -127,6 +130,37 @@ def test_eager_step_is_counted_in_the_torch_launches_of_its_own_iteration(monkey
     assert row.torch_launch_us == pytest.approx(1.0)
     assert row.host_in_torch_launches == pytest.approx(5.0)  # the ratio of the medians would be 10
     assert row.device_us == pytest.approx([0.5] * 4) and row.device_kept_busy is True
+
+
+@pytest.mark.parametrize(("phase_bytes", "world"), [([4096, 1000, 8, 77777], 2), ([2**20, 3, 512, 2**16 + 6], 8)])
+def test_copy_floor_copies_each_ranks_share_of_every_phase_into_its_own_place(
+    phase_bytes: list[int], world: int
+) -> None:
+    """The copy floor is one copy per rank and phase, in the step's order, of that rank's share of the
+    phase's traffic (half read, half written), each between regions no other copy touches, each on the
+    same alignment; a run writes every byte of its destinations from its sources (random sources,
+    destinations poisoned first)."""
+    from mori_sglang.tools import measure
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real_copy = torch.Tensor.copy_
+    step = measure.copy_floor_step(phase_bytes, world, torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "copy_", lambda dst, src: copies.append((dst, src)) or real_copy(dst, src))
+        step()
+    want = [max(1, total // (2 * world)) for total in phase_bytes for _ in range(world)]
+    assert [dst.numel() for dst, _ in copies] == want
+    assert all(src.numel() == dst.numel() for dst, src in copies)
+    spans = sorted((t.data_ptr(), t.numel()) for pair in copies for t in pair)
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))  # no two share a byte
+    for side in (0, 1):
+        first = copies[0][side].data_ptr()
+        assert all((pair[side].data_ptr() - first) % measure.COPY_ALIGN == 0 for pair in copies)
+    for dst, src in copies:
+        src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8))
+        dst.copy_(255 - src)  # differs from the source in every byte
+    step()
+    assert all(torch.equal(dst, src) for dst, src in copies)
 
 
 def test_eager_launches_are_counted_after_every_row_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
