@@ -1,5 +1,6 @@
 """Kernels with the memory traffic of a transport phase and none of its arithmetic: they measure what a
-phase's access pattern allows on a device, the ceiling its "% of the copy roofline" is read against;
+phase's access pattern allows on a device, the ceiling its "% of the copy roofline" is read against,
+and what a step of plain copies of its phases' bytes costs;
 kernels that move (almost) nothing, for the cost of a launch on the host and on the device; and a
 dispatch send without rows, for what its synchronization adds to a kernel."""
 
@@ -25,6 +26,16 @@ def fan_out_kernel(x_ptr, out_ptr, out_stride, num_tokens, D: tl.constexpr, HIDD
         high = (tl.load(x_ptr + n * HIDDEN + cols) >> 8).to(tl.uint8)
         rows = out_ptr + dests[:, None] * out_stride + n * HIDDEN + cols[None, :]
         tl.store(rows, tl.broadcast_to(high[None, :], (D, TILE)))
+
+
+@triton.jit
+def copy_probe_kernel(src_ptr, dst_ptr, n_words, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """A phase's bytes and nothing else: each program copies one block of 32-bit words, after the kernel
+    before it where launched under programmatic launch, as the transport's kernels start."""
+    _after_previous_kernel(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_words
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
 @triton.jit

@@ -34,8 +34,8 @@ from mori_sglang.kernels.geometry import KernelTuning
 from mori_sglang.routing import owning_destinations
 from mori_sglang.tools.measure import (
     PHASES,
+    CopyFloorStep,
     copy_bandwidth,
-    copy_floor_step,
     count_launches,
     graph_replay,
     kept_busy_text,
@@ -76,7 +76,7 @@ class Row:
     # phases: what the phases' separate graphs and timings leave out or add (None where nothing is graphed).
     step_graph_us: float | None = None
     # The same phases' least traffic moved by one plain device copy per rank and phase, in one CUDA graph
-    # (``measure.copy_floor_step``): the floor the step's graph time compares with, measured in the run.
+    # (``measure.CopyFloorStep``): the floor the step's graph time compares with, measured in the run.
     copy_floor_us: float | None = None
     eager: EagerRow | None = None  # with --eager
 
@@ -134,7 +134,9 @@ def bench_one(
         whole()
         row.step_graph_us = statistics.median(time_phases([whole], device, iters)[0]) * 1e6
         _received_rows(step, pairs)  # after the whole step's replays
-        floor = graph_replay(copy_floor_step(least_traffic(cfg, tokens, recv_rows, op), cfg.world_size, device))
+        copies = CopyFloorStep(least_traffic(cfg, tokens, recv_rows, op), cfg.world_size, device)
+        copies()  # compiles outside the capture
+        floor = graph_replay(copies)
         floor()
         row.copy_floor_us = statistics.median(time_phases([floor], device, iters)[0]) * 1e6
     if eager:

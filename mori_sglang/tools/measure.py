@@ -173,29 +173,43 @@ def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-# Where each copy of ``copy_floor_step`` starts (bytes): torch's allocator aligns blocks at least this far.
-COPY_ALIGN = 256
+# A copy-floor kernel's program copies this many 32-bit words (16 KiB).
+COPY_FLOOR_BLOCK = 4096
 
 
-def copy_floor_step(phase_bytes: Sequence[int], world: int, device: torch.device) -> Callable[[], None]:
+class CopyFloorStep:
     """A step that only copies: per phase of ``phase_bytes`` (bytes each phase reads plus writes, summed
-    over the ranks) one device-to-device copy per rank of that rank's share, in the step's order, each
-    between buffers of its own so that no copy reads what another left in the cache. Replayed from a
-    graph it is the floor of a step that launches a kernel per rank and phase and moves the same bytes:
-    each copy's launch, ramp-up and bytes, and no routing, quantization or synchronisation."""
-    sizes = [max(1, total // (2 * world)) for total in phase_bytes for _ in range(world)]
-    starts = [0]
-    for size in sizes:  # each copy starts on a 256-byte boundary, as an allocation would
-        starts.append(starts[-1] + -(-size // COPY_ALIGN) * COPY_ALIGN)
-    src = torch.empty(starts[-1], dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    pairs = [(dst[start : start + size], src[start : start + size]) for start, size in zip(starts, sizes, strict=False)]
+    over the ranks) one copy kernel per rank of that rank's share (whole 32-bit words), in the step's
+    order, each between regions of its own so that no copy reads what another left in the cache.
+    Replayed from a graph it is the floor of a step that launches a kernel per rank and phase and moves
+    the same bytes: each kernel's launch, ramp-up and bytes, launched as the transport's kernels are
+    (programmatic launch where they use it), with no routing, quantization or synchronisation. A
+    kernel, not ``Tensor.copy_``: in a graph that becomes a memcpy node, which the copy engines run
+    slower than the SMs copy."""
 
-    def step() -> None:
-        for to, source in pairs:
-            to.copy_(source)
+    def __init__(self, phase_bytes: Sequence[int], world: int, device: torch.device) -> None:
+        from mori_sglang.kernels.transport import PDL_OFF, PDL_WAIT
+        from mori_sglang.providers.triton_provider import programmatic_launch
 
-    return step
+        words = [max(1, total // (2 * world) // 4) for total in phase_bytes for _ in range(world)]
+        starts = [0]
+        for n in words:  # each region starts on a whole block, so every program's words are aligned alike
+            starts.append(starts[-1] + -(-n // COPY_FLOOR_BLOCK) * COPY_FLOOR_BLOCK)
+        src = torch.empty(starts[-1], dtype=torch.int32, device=device)
+        dst = torch.empty_like(src)
+        # (source, destination) per rank and phase, in launch order.
+        self.regions = [(src[at : at + n], dst[at : at + n]) for at, n in zip(starts, words, strict=False)]
+        pdl = programmatic_launch(device)
+        self._options = {"BLOCK": COPY_FLOOR_BLOCK, "PDL": PDL_WAIT if pdl else PDL_OFF}
+        if pdl:
+            self._options["launch_pdl"] = True
+
+    def __call__(self) -> None:
+        from mori_sglang.kernels.probes import copy_probe_kernel
+
+        for source, to in self.regions:
+            n = source.numel()
+            copy_probe_kernel[(-(-n // COPY_FLOOR_BLOCK),)](source, to, n, **self._options)
 
 
 def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, rows: int | None = None) -> torch.Tensor:

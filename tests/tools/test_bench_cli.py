@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import skip_without_working_interpreter
+from tests.helpers import kernels_interpreted_here, skip_without_working_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "2", "--combine-dtype", "bf16", "fp8_blockwise"]
@@ -132,35 +132,42 @@ def test_eager_step_is_counted_in_the_torch_launches_of_its_own_iteration(monkey
     assert row.device_us == pytest.approx([0.5] * 4) and row.device_kept_busy is True
 
 
-@pytest.mark.parametrize(("phase_bytes", "world"), [([4096, 1000, 8, 77777], 2), ([2**20, 3, 512, 2**16 + 6], 8)])
+@kernels_interpreted_here
+@pytest.mark.parametrize(("phase_bytes", "world"), [([4096, 1000, 8, 77777], 2), ([2**17, 3, 512, 2**16 + 6], 8)])
 def test_copy_floor_copies_each_ranks_share_of_every_phase_into_its_own_place(
     phase_bytes: list[int], world: int
 ) -> None:
     """The copy floor is one copy per rank and phase, in the step's order, of that rank's share of the
-    phase's traffic (half read, half written), each between regions no other copy touches, each on the
-    same alignment; a run writes every byte of its destinations from its sources (random sources,
-    destinations poisoned first)."""
+    phase's traffic (half read, half written) in whole words, each between regions no other copy
+    touches, each starting on a whole block; a run (the kernels in the interpreter) writes every word of
+    its destinations from its sources (random sources, destinations poisoned first) and nothing else."""
     from mori_sglang.tools import measure
 
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    real_copy = torch.Tensor.copy_
-    step = measure.copy_floor_step(phase_bytes, world, torch.device("cpu"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.Tensor, "copy_", lambda dst, src: copies.append((dst, src)) or real_copy(dst, src))
-        step()
-    want = [max(1, total // (2 * world)) for total in phase_bytes for _ in range(world)]
-    assert [dst.numel() for dst, _ in copies] == want
-    assert all(src.numel() == dst.numel() for dst, src in copies)
-    spans = sorted((t.data_ptr(), t.numel()) for pair in copies for t in pair)
+    step = measure.CopyFloorStep(phase_bytes, world, torch.device("cpu"))
+    regions = step.regions
+    assert [dst.numel() for _, dst in regions] == [
+        max(1, total // (2 * world) // 4) for total in phase_bytes for _ in range(world)
+    ]
+    assert all(src.numel() == dst.numel() and src.dtype == dst.dtype == torch.int32 for src, dst in regions)
+    spans = sorted((t.data_ptr(), t.numel() * 4) for pair in regions for t in pair)
     assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))  # no two share a byte
     for side in (0, 1):
-        first = copies[0][side].data_ptr()
-        assert all((pair[side].data_ptr() - first) % measure.COPY_ALIGN == 0 for pair in copies)
-    for dst, src in copies:
-        src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8))
-        dst.copy_(255 - src)  # differs from the source in every byte
+        first = regions[0][side].data_ptr()
+        assert all((pair[side].data_ptr() - first) % (4 * measure.COPY_FLOOR_BLOCK) == 0 for pair in regions)
+    whole = regions[0][1].untyped_storage()
+    whole_dst = torch.empty(0, dtype=torch.int32).set_(whole)
+    whole_dst.fill_(-7)  # poison outside the regions too
+    for src, dst in regions:
+        src.copy_(torch.randint(-(2**31), 2**31 - 1, src.shape, dtype=torch.int32))
+        dst.copy_(~src)  # differs from the source in every bit
     step()
-    assert all(torch.equal(dst, src) for dst, src in copies)
+    assert all(torch.equal(dst, src) for src, dst in regions)
+    covered = torch.zeros(whole_dst.numel(), dtype=torch.bool)
+    base = whole_dst.data_ptr()
+    for _, dst in regions:
+        at = (dst.data_ptr() - base) // 4
+        covered[at : at + dst.numel()] = True
+    assert bool((whole_dst[~covered] == -7).all())
 
 
 def test_eager_launches_are_counted_after_every_row_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
