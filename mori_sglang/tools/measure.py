@@ -173,34 +173,36 @@ def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-# A copy-floor kernel's program copies this many 32-bit words (16 KiB).
-COPY_FLOOR_BLOCK = 4096
+# The 32-bit words a copy-floor kernel's program copies, per variant timed (4 and 16 KiB): the smaller
+# block runs more programs on a small copy, the larger fewer on a large one; a floor is the faster.
+COPY_FLOOR_BLOCKS = (1024, 4096)
 
 
 class CopyFloorStep:
     """A step that only copies: per phase of ``phase_bytes`` (bytes each phase reads plus writes, summed
     over the ranks) one copy kernel per rank of that rank's share (whole 32-bit words), in the step's
-    order, each between regions of its own so that no copy reads what another left in the cache.
-    Replayed from a graph it is the floor of a step that launches a kernel per rank and phase and moves
-    the same bytes: each kernel's launch, ramp-up and bytes, launched as the transport's kernels are
-    (programmatic launch where they use it), with no routing, quantization or synchronisation. A
-    kernel, not ``Tensor.copy_``: in a graph that becomes a memcpy node, which the copy engines run
-    slower than the SMs copy."""
+    order, each between regions of its own so that no copy reads what another left in the cache, each
+    program copying ``block`` words. Replayed from a graph it is the floor of a step that launches a
+    kernel per rank and phase and moves the same bytes: each kernel's launch, ramp-up and bytes,
+    launched as the transport's kernels are (programmatic launch where they use it), with no routing,
+    quantization or synchronisation. A kernel, not ``Tensor.copy_``: in a graph that becomes a memcpy
+    node, which the copy engines run slower than the SMs copy."""
 
-    def __init__(self, phase_bytes: Sequence[int], world: int, device: torch.device) -> None:
+    def __init__(self, phase_bytes: Sequence[int], world: int, device: torch.device, block: int) -> None:
         from mori_sglang.kernels.transport import PDL_OFF, PDL_WAIT
         from mori_sglang.providers.triton_provider import programmatic_launch
 
         words = [max(1, total // (2 * world) // 4) for total in phase_bytes for _ in range(world)]
         starts = [0]
         for n in words:  # each region starts on a whole block, so every program's words are aligned alike
-            starts.append(starts[-1] + -(-n // COPY_FLOOR_BLOCK) * COPY_FLOOR_BLOCK)
+            starts.append(starts[-1] + -(-n // block) * block)
         src = torch.empty(starts[-1], dtype=torch.int32, device=device)
         dst = torch.empty_like(src)
         # (source, destination) per rank and phase, in launch order.
         self.regions = [(src[at : at + n], dst[at : at + n]) for at, n in zip(starts, words, strict=False)]
         pdl = programmatic_launch(device)
-        self._options = {"BLOCK": COPY_FLOOR_BLOCK, "PDL": PDL_WAIT if pdl else PDL_OFF}
+        self.block = block
+        self._options = {"BLOCK": block, "PDL": PDL_WAIT if pdl else PDL_OFF}
         if pdl:
             self._options["launch_pdl"] = True
 
@@ -209,7 +211,7 @@ class CopyFloorStep:
 
         for source, to in self.regions:
             n = source.numel()
-            copy_probe_kernel[(-(-n // COPY_FLOOR_BLOCK),)](source, to, n, **self._options)
+            copy_probe_kernel[(-(-n // self.block),)](source, to, n, **self._options)
 
 
 def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, rows: int | None = None) -> torch.Tensor:

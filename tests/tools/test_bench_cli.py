@@ -133,9 +133,11 @@ def test_eager_step_is_counted_in_the_torch_launches_of_its_own_iteration(monkey
 
 
 @kernels_interpreted_here
-@pytest.mark.parametrize(("phase_bytes", "world"), [([4096, 1000, 8, 77777], 2), ([2**17, 3, 512, 2**16 + 6], 8)])
+@pytest.mark.parametrize(
+    ("phase_bytes", "world", "block"), [([4096, 1000, 8, 77777], 2, 4096), ([2**17, 3, 512, 2**16 + 6], 8, 1024)]
+)
 def test_copy_floor_copies_each_ranks_share_of_every_phase_into_its_own_place(
-    phase_bytes: list[int], world: int
+    phase_bytes: list[int], world: int, block: int
 ) -> None:
     """The copy floor is one copy per rank and phase, in the step's order, of that rank's share of the
     phase's traffic (half read, half written) in whole words, each between regions no other copy
@@ -143,7 +145,7 @@ def test_copy_floor_copies_each_ranks_share_of_every_phase_into_its_own_place(
     its destinations from its sources (random sources, destinations poisoned first) and nothing else."""
     from mori_sglang.tools import measure
 
-    step = measure.CopyFloorStep(phase_bytes, world, torch.device("cpu"))
+    step = measure.CopyFloorStep(phase_bytes, world, torch.device("cpu"), block)
     regions = step.regions
     assert [dst.numel() for _, dst in regions] == [
         max(1, total // (2 * world) // 4) for total in phase_bytes for _ in range(world)
@@ -153,7 +155,7 @@ def test_copy_floor_copies_each_ranks_share_of_every_phase_into_its_own_place(
     assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))  # no two share a byte
     for side in (0, 1):
         first = regions[0][side].data_ptr()
-        assert all((pair[side].data_ptr() - first) % (4 * measure.COPY_FLOOR_BLOCK) == 0 for pair in regions)
+        assert all((pair[side].data_ptr() - first) % (4 * block) == 0 for pair in regions)
     whole = regions[0][1].untyped_storage()
     whole_dst = torch.empty(0, dtype=torch.int32).set_(whole)
     whole_dst.fill_(-7)  # poison outside the regions too
