@@ -8,7 +8,7 @@ the device's own copy bandwidth (measured in the same run), and the torch provid
 steps beside them as the baseline. Bandwidth follows MoRI's accounting: received rows x row bytes.
 On a GPU each phase is captured in a CUDA graph and replayed (which is also a capture test), and so is
 the whole step in one graph ("step µs, one graph"), as a server's decode graph holds it, and beside it
-the floor of such a step: the phases' least traffic moved by one plain device copy per rank and phase
+the floor of such a step: the phases' least traffic moved by one plain copy kernel per rank and phase
 ("copy floor µs, one graph"), launches and ramp-up included.
 
 ``--eager`` also launches every phase from Python, as a server without CUDA graphs does, and reports per
@@ -76,8 +76,8 @@ class Row:
     # The whole step (four phases, every rank) replayed from one CUDA graph, summed over the ranks like the
     # phases: what the phases' separate graphs and timings leave out or add (None where nothing is graphed).
     step_graph_us: float | None = None
-    # The same phases' least traffic moved by one plain device copy per rank and phase, in one CUDA graph
-    # (``measure.CopyFloorStep``): the floor the step's graph time compares with, measured in the run.
+    # The same phases' least traffic moved by one plain copy kernel per rank and phase, in one CUDA graph
+    # (``measure.CopyFloorStep``, its faster program size): the floor the step's graph time compares with.
     copy_floor_us: float | None = None
     eager: EagerRow | None = None  # with --eager
 
