@@ -258,8 +258,8 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
         "",
         "| provider | mode | tokens/rank | dispatch | combine | dispatch µs | combine µs | dispatch GB/s | "
         "combine GB/s | % roof: dispatch send | dispatch recv | combine send | combine recv | round trip | "
-        "dispatch x torch | combine x torch | step µs, one graph | copy floor µs, one graph |",
-        "| --- | --- | ---: | --- | --- |" + " ---: |" * 13,
+        "dispatch x torch | combine x torch | step µs, one graph | copy floor µs, one graph | step / copy floor |",
+        "| --- | --- | ---: | --- | --- |" + " ---: |" * 14,
     ]
     for r in rows:
         ratio_d, ratio_c = speedup_cells(r, baseline.get((r.mode, r.tokens, r.dispatch_dtype, r.combine_dtype)))
@@ -268,13 +268,21 @@ def markdown(rows: list[Row], baseline: dict[tuple, Row], copy_bw: float) -> str
             f"{r.dispatch_us:.1f} | {r.combine_us:.1f} | {r.dispatch_gbs:.0f} | {r.combine_gbs:.0f} | "
             f"{r.dispatch_send_pct:.0f} | {r.dispatch_recv_pct:.0f} | {r.combine_send_pct:.0f} | "
             f"{r.combine_recv_pct:.0f} | {r.round_trip_pct:.0f} | "
-            f"{ratio_d} | {ratio_c} | {_us_cell(r.step_graph_us)} | {_us_cell(r.copy_floor_us)} |"
+            f"{ratio_d} | {ratio_c} | {_us_cell(r.step_graph_us)} | {_us_cell(r.copy_floor_us)} | "
+            f"{_floor_ratio_cell(r)} |"
         )
     return "\n".join(lines)
 
 
 def _us_cell(us: float | None) -> str:
     return "-" if us is None else f"{us:.1f}"
+
+
+def _floor_ratio_cell(row: Row) -> str:
+    """The step's graph time over its copy floor's: how far the step is from moving its bytes alone."""
+    if row.step_graph_us is None or row.copy_floor_us is None:
+        return "-"
+    return f"{row.step_graph_us / row.copy_floor_us:.2f}"
 
 
 def eager_markdown(rows: list[Row]) -> str:

@@ -51,7 +51,7 @@ def test_loopback_bench_prints_triton_rows_beside_the_torch_baseline(tmp_path: P
     assert [r[0] for r in rows] == ["triton", "torch", "triton", "torch"]
     assert [r[4] for r in rows] == ["bf16", "bf16", "fp8", "fp8"]  # the env name of the long name asked for
     assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
-    assert [r[16:] for r in rows] == [["-", "-"]] * 4  # no CUDA graph of the step or its copy floor on a CPU
+    assert [r[16:] for r in rows] == [["-"] * 3] * 4  # no CUDA graph of the step or its copy floor on a CPU
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 4 and data["copy_gbs"] > 0
     assert all(r["step_graph_us"] is None and r["copy_floor_us"] is None for r in data["rows"])
@@ -72,6 +72,18 @@ def test_bench_times_the_whole_step_in_one_graph_beside_its_phases() -> None:
                 assert us is not None and math.isfinite(us) and us > 0
         else:
             assert row.step_graph_us is None and row.copy_floor_us is None
+
+
+def test_bench_table_gives_the_step_over_its_copy_floor() -> None:
+    """The graph table's last columns: the step's graph µs, its copy floor's, and their ratio."""
+    from mori_sglang.tools import bench
+
+    row = bench.Row("triton", "low_latency", 128, 128, "fp8", "bf16", *[1.0] * 13, step_graph_us=250.0)
+    row.copy_floor_us = 137.5
+    cells = _table_rows(bench.markdown([row], {}, 4000.0))[0]
+    assert cells[-3:] == ["250.0", "137.5", "1.82"]
+    row.copy_floor_us = None
+    assert _table_rows(bench.markdown([row], {}, 4000.0))[0][-3:] == ["250.0", "-", "-"]
 
 
 def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> None:
