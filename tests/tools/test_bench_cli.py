@@ -86,6 +86,21 @@ def test_bench_table_gives_the_step_over_its_copy_floor() -> None:
     assert _table_rows(bench.markdown([row], {}, 4000.0))[0][-3:] == ["250.0", "-", "-"]
 
 
+def test_copy_floor_that_does_not_fit_is_left_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A device without memory for the copy floor's buffers beside the step's gets no floor ("-" in the
+    table) and a line saying why, not a failed benchmark."""
+    from mori_sglang.tools import bench
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(bench, "CopyFloorStep", out_of_memory)
+    assert bench._copy_floor_us([2**30, 2**30, 0, 0], 8, torch.device("cpu"), 2) is None
+    assert "copy floor not measured: its 2.0 GiB of buffers do not fit" in capsys.readouterr().err
+
+
 def test_eager_bench_reports_host_time_per_rank_and_phase(tmp_path: Path) -> None:
     """``--eager`` adds a table of steps launched from Python; on a CPU only the host column has values,
     and no device was kept busy (there is none)."""
