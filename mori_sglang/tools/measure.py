@@ -189,6 +189,7 @@ class CopyFloorStep:
     node, which the copy engines run slower than the SMs copy."""
 
     def __init__(self, phase_bytes: Sequence[int], world: int, device: torch.device, block: int) -> None:
+        from mori_sglang.kernels.probes import copy_probe_kernel
         from mori_sglang.kernels.transport import PDL_OFF, PDL_WAIT
         from mori_sglang.providers.triton_provider import programmatic_launch
 
@@ -201,17 +202,16 @@ class CopyFloorStep:
         # (source, destination) per rank and phase, in launch order.
         self.regions = [(src[at : at + n], dst[at : at + n]) for at, n in zip(starts, words, strict=False)]
         pdl = programmatic_launch(device)
-        self.block = block
+        self._kernel = copy_probe_kernel
         self._options = {"BLOCK": block, "PDL": PDL_WAIT if pdl else PDL_OFF}
         if pdl:
             self._options["launch_pdl"] = True
 
     def __call__(self) -> None:
-        from mori_sglang.kernels.probes import copy_probe_kernel
-
+        block = self._options["BLOCK"]
         for source, to in self.regions:
             n = source.numel()
-            copy_probe_kernel[(-(-n // self.block),)](source, to, n, **self._options)
+            self._kernel[(-(-n // block),)](source, to, n, **self._options)
 
 
 def identity_expert(out: DispatchOutput, dispatch: DispatchDtype, hidden: int, rows: int | None = None) -> torch.Tensor:
