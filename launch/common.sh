@@ -211,7 +211,8 @@ export_mori_env() {  # export_mori_env SPLIT(0|1)
 }
 
 # prepare VENDOR(any|nvidia|amd) SPLIT(0|1) ARGS...: parse the arguments, check the model and the
-# GPUs, and export the recipe's variables.
+# GPUs, and export the recipe's variables. SPLIT=1 splits the normal mode's dispatch and combine; the
+# low-latency mode runs both directions low-latency already, so there it exports 0.
 prepare() {
     local vendor=$1 split=$2
     shift 2
@@ -219,6 +220,7 @@ prepare() {
     parse_args "$@"
     check_model_dir
     check_gpus "$vendor"
+    [[ $MODE != low_latency ]] || split=0
     export_mori_env "$split"
 }
 

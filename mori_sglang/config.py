@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import numbers
 from collections.abc import Mapping
@@ -11,6 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from mori_sglang import env, wire_formats
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -203,9 +206,15 @@ class EpConfig:
         turns a normal-mode op into the split mode.
         """
         dispatch_dtype, combine_dtype = dtypes_from_env(weight_dtype, environ)
+        split = env.get_bool("SGLANG_MORI_SPLIT_DISPATCH_COMBINE", environ)
         if low_latency:
             mode = Mode.LOW_LATENCY
-        elif env.get_bool("SGLANG_MORI_SPLIT_DISPATCH_COMBINE", environ):
+            if split:  # a server of a disaggregated deployment may share the prefill's variables
+                logger.warning(
+                    "SGLANG_MORI_SPLIT_DISPATCH_COMBINE=1 splits the normal mode; this op runs the low-latency "
+                    "mode (--deepep-mode low_latency, vLLM's mori_low_latency), which it does not change"
+                )
+        elif split:
             mode = Mode.SPLIT
         else:
             mode = Mode.INTRANODE

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from mori_sglang.wire_formats import COMBINE_ENV_NAMES, DISPATCH_ENV_NAMES
 
-BOOL_TRUE = ("1", "true", "yes", "on")
+# SGLang's own booleans (sglang.srt.environ.EnvBool) take 1/true/yes/y and 0/false/no/n.
+BOOL_TRUE = ("1", "true", "yes", "y", "on")
 # The most tokens one rank may dispatch per call: far above any serving batch, and small enough that
 # every row index of the buffers stays well inside int32.
 MAX_TOKENS_PER_RANK = 1 << 20
@@ -28,7 +29,7 @@ DEFAULT_PEER_TIMEOUT_S = 120
 # a timeout past ~7e9 s wrapped that deadline negative (every receive gave up at once) and one past
 # ~9.2e9 s did not fit a kernel argument at all.
 MAX_PEER_TIMEOUT_S = 10**9
-BOOL_FALSE = ("0", "false", "no", "off", "")
+BOOL_FALSE = ("0", "false", "no", "n", "off", "")
 
 
 class EnvError(ValueError):
@@ -52,6 +53,10 @@ class EnvVar:
     # SGLANG_MORI_EP_V2, FlashInfer reads TRTLLM_ENABLE_PDL), so a value there says nothing of the user.
     providers: tuple[str, ...] = ()
     others_set_it: bool = False
+    # SGLang reads it too (``sglang.srt.environ``), with this default; None: SGLang does not. Its parser
+    # takes neither surrounding spaces nor on/off, so the SGLang launch writes such a boolean back as
+    # 1 or 0 for every process (``integrations.sglang.plugin.share_booleans_with_sglang``).
+    sglang_default: str | None = None
 
     def accepted(self) -> str:
         if self.kind == "bool":
@@ -134,6 +139,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLang's launcher sets it (False) where its own EP v2 checks fail.",
         kind="bool",
         others_set_it=True,
+        sglang_default="1",
     ),
     EnvVar(
         "SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD",
@@ -162,6 +168,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "default is 0 (AITER keeps its own view); on NVIDIA the Triton experts' work grows with the rows. "
         "Unset, the launch writes 1, so SGLang's attention-DP bookkeeping, which reads it too, agrees.",
         kind="bool",
+        sglang_default="0",
     ),
     EnvVar(
         "SGLANG_MORI_FP8_TYPE",
@@ -254,7 +261,7 @@ def get_bool(name: str, environ: Mapping[str, str] | None = None) -> bool:
         return True
     if value in BOOL_FALSE:
         return False
-    raise EnvError(f"{name}={value!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
+    raise EnvError(f"{name}={value!r} is not a boolean; use 1/0, true/false, yes/no, y/n or on/off")
 
 
 def get_int(name: str, environ: Mapping[str, str] | None = None) -> int | None:

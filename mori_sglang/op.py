@@ -26,11 +26,11 @@ from mori_sglang.checks import (
     check_tokens_the_op_quantizes,
     input_signature,
 )
-from mori_sglang.config import ConfigError, DispatchDtype, EpConfig, Mode
+from mori_sglang.config import ConfigError, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.device_wait import wait_for_device
 from mori_sglang.exchange import LoopbackHub
 from mori_sglang.kernels.geometry import KernelTuning
-from mori_sglang.providers import group_hosts, resolve_provider
+from mori_sglang.providers import group_hosts, ranks_per_host, resolve_provider
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.registry import build_provider
 from mori_sglang.types import CombineHandle, DispatchOutput, InputError
@@ -75,8 +75,11 @@ class EpDispatchCombineOp:
         self.scale_bytes = config.scale_bytes if config.scale_bytes is not None else self._format_scale_bytes
         self.layout = formats.DispatchRowLayout(self.token_bytes, self.scale_bytes, config.topk)
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
+        # Native MoRI picks its kernels by the ranks' hosts (a collective: every rank builds its op).
+        native_mori = self.provider_kind is Provider.MORI and loopback is None
+        host_ranks = ranks_per_host(cpu_group or group) if native_mori else None
         setup = ProviderSetup(
-            config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback, cpu_group
+            config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback, cpu_group, host_ranks
         )
         # The op's buffers are normal tensors even when it is built under torch.inference_mode() (a server
         # may build it inside its first forward): tensors made there could not be updated outside it.

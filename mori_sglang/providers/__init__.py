@@ -26,13 +26,47 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def host_name() -> str:
+    """The name that tells this process's host from the others' (tests stand in hosts through it)."""
+    return socket.gethostname()
+
+
+def _host_names(group: dist.ProcessGroup | None) -> list[str]:
+    """Every rank's host name, in the ranks' order; a collective over ``group`` (None: the world)."""
+    names: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, host_name(), group=group)
+    return [str(name) for name in names]
+
+
 def group_hosts(group: dist.ProcessGroup | None) -> int:
     """How many hosts the ranks of ``group`` (None: the world) run on; a collective over the group."""
     if dist.get_world_size(group) == 1:
         return 1
-    names: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return len(set(names))
+    return len(set(_host_names(group)))
+
+
+def ranks_per_host(group: dist.ProcessGroup | None) -> int:
+    """How many ranks of ``group`` (None: the world) each host runs (``host_blocks``); a collective
+    over the group."""
+    return host_blocks(_host_names(group) if dist.get_world_size(group) > 1 else [host_name()])
+
+
+def host_blocks(names: list[str]) -> int:
+    """How many ranks each host runs, from every rank's host name in the ranks' order.
+
+    Native MoRI numbers a rank's host ``rank // gpu_per_node``: its inter-node kernels reach the ranks
+    of the same quotient over the host's GPU links and the others over the network. So the ranks must
+    fill the hosts in order, the same number on each, as torchrun, SGLang and vLLM lay them out; any
+    other layout is refused here rather than sent to the wrong peers."""
+    per_host = names.count(names[0])
+    blocks = [names[start : start + per_host] for start in range(0, len(names), per_host)]
+    if len(names) % per_host or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        raise ConfigError(
+            "native MoRI (which SGLANG_MORI_BACKEND picked) needs every host to run the same number of "
+            f"consecutive ranks (its kernels take rank // ranks per host for a rank's host); these ranks run on "
+            f"{names}: launch them host by host, or use SGLANG_MORI_BACKEND=torch"
+        )
+    return per_host
 
 
 def resolve_provider(

@@ -59,7 +59,9 @@ class ProviderSetup:
     group (None: the world group); ``loopback``: the shared state of a one-process world instead;
     ``cpu_group``: a gloo group over the same ranks for host-side bootstraps (native MoRI's shmem), where
     the caller has one: making one is a collective over the default group, which ranks outside
-    ``group`` (another pipeline stage's) do not join at the same moment.
+    ``group`` (another pipeline stage's) do not join at the same moment. ``ranks_per_host``: how many
+    consecutive ranks each host runs (``providers.ranks_per_host``), where a provider needs it (native
+    MoRI's kernel choice); None: every rank on this one host.
     """
 
     config: EpConfig
@@ -70,6 +72,11 @@ class ProviderSetup:
     group: dist.ProcessGroup | None = None
     loopback: LoopbackHub | None = None
     cpu_group: dist.ProcessGroup | None = None
+    ranks_per_host: int | None = None
+
+    def host_ranks(self) -> int:
+        """The ranks of one host (the whole world unless ``ranks_per_host`` says otherwise)."""
+        return self.ranks_per_host or self.config.world_size
 
 
 class EpProvider(ABC):

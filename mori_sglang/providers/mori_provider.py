@@ -34,8 +34,9 @@ from mori_sglang.providers.base import (
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.types import expert_id_error, short_expert_outputs_error
 
-# Ranks of one host: wider groups take v1's inter-node kernels.
-GPUS_PER_NODE = 8
+# The most ranks MoRI's intranode kernels (v1 IntraNode, EP v2) serve, all on one host, as SGLang runs
+# them; more ranks, or ranks on several hosts, take v1's inter-node kernels.
+INTRANODE_MAX_RANKS = 8
 V2_ROW_ALIGN = 16  # EP v2 moves token rows in 16 B pieces
 # The name MoRI's shmem bootstrap looks the process group up by (the one SGLang and vLLM register).
 SHMEM_GROUP_NAME = "mori"
@@ -116,7 +117,13 @@ def capped_recv_tokens(config: EpConfig, tokens_per_rank: int | None = None) -> 
     return config.world_size * per_rank
 
 
-def uses_ep_v2(config: EpConfig) -> bool:
+def one_host(config: EpConfig, ranks_per_host: int) -> bool:
+    """Whether MoRI's intranode kernels serve the group: every rank on one host, and no more of them
+    than those kernels take (``ranks_per_host``: as ``ProviderSetup.host_ranks``)."""
+    return ranks_per_host >= config.world_size and config.world_size <= INTRANODE_MAX_RANKS
+
+
+def uses_ep_v2(config: EpConfig, ranks_per_host: int) -> bool:
     """SGLang's choice (``SGLANG_MORI_EP_V2``, on unless 0) where EP v2 applies: the intranode mode
     (v2 has no split kernels) within one host, with a bf16 combine (v2's quantized combines are
     another wire format than v1's, which is the one ``fp8_blockwise_native`` names), tokens whose
@@ -127,7 +134,7 @@ def uses_ep_v2(config: EpConfig) -> bool:
     return (
         env.get_bool("SGLANG_MORI_EP_V2")
         and config.mode is Mode.INTRANODE
-        and config.world_size <= GPUS_PER_NODE
+        and one_host(config, ranks_per_host)
         and config.combine_dtype is CombineDtype.BF16
         and token_bytes % V2_ROW_ALIGN == 0
         and (2 * config.hidden) % V2_ROW_ALIGN == 0
@@ -167,7 +174,7 @@ class MoriProvider(EpProvider):
 
     def __new__(cls, setup: ProviderSetup) -> MoriProvider:
         if cls is MoriProvider:
-            if uses_ep_v2(setup.config):
+            if uses_ep_v2(setup.config, setup.host_ranks()):
                 from mori_sglang.providers.mori_v2 import MoriV2Provider
 
                 cls = MoriV2Provider

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +31,12 @@ from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfi
 from mori_sglang.providers import mori_ids
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.mori_provider import (
-    GPUS_PER_NODE,
+    INTRANODE_MAX_RANKS,
     MoriProvider,
     capped_recv_tokens,
     init_shmem,
     on_device,
+    one_host,
     receive_cap,
 )
 from mori_sglang.types import CombineHandle, DispatchOutput
@@ -62,15 +64,25 @@ INTERNODE_CHUNK = 64
 BLOCKWISE_KERNELS = {"fp8_blockwise": ("IntraNode", "AsyncLL"), "fp4_blockwise": ("IntraNode",)}
 
 
-def kernel_type_name(config: EpConfig) -> str:
+def kernel_type_name(config: EpConfig, ranks_per_host: int) -> str:
     """AsyncLL for the split kinds (the only kernel with separate send and receive calls) and with
-    SDMA copies; IntraNode within a host; InterNodeV1 across hosts at every buffer size (not
-    InterNodeV1LL: see the module's docstring)."""
+    SDMA copies; IntraNode within a host (``mori_provider.one_host``); InterNodeV1 across hosts at
+    every buffer size (not InterNodeV1LL: see the module's docstring)."""
     if config.mode is not Mode.INTRANODE or env.get_bool("MORI_ENABLE_SDMA"):
         return "AsyncLL"
-    if config.world_size <= GPUS_PER_NODE:
+    if one_host(config, ranks_per_host):
         return "IntraNode"
     return "InterNodeV1"
+
+
+def gpus_per_node(config: EpConfig, ranks_per_host: int) -> int:
+    """MoRI's ``gpu_per_node``, the ranks it reaches over a host's GPU links (``rank // gpu_per_node``
+    is a rank's node): the ranks of one host, in blocks of at most ``INTRANODE_MAX_RANKS`` that divide
+    them (as SGLang's 8 for a host of 16)."""
+    per_node = min(ranks_per_host, config.world_size)
+    if per_node > INTRANODE_MAX_RANKS:
+        per_node = math.gcd(per_node, INTRANODE_MAX_RANKS)
+    return per_node
 
 
 def mori_tokens_per_rank(config: EpConfig, kernel: str) -> int:
@@ -101,10 +113,11 @@ def mori_config_kwargs(
     layout: formats.DispatchRowLayout,
     token_dtype: torch.dtype,
     payload_dtype: torch.dtype,
+    ranks_per_host: int,
     compute_units: int | None = None,
 ) -> dict[str, Any]:
     """The ``EpDispatchCombineConfig`` fields for ``config`` (kernel type by name)."""
-    kernel = kernel_type_name(config)
+    kernel = kernel_type_name(config, ranks_per_host)
     warps, blocks, rdma_blocks = launch_geometry(config, kernel, compute_units)
     return {
         "data_type": token_dtype,
@@ -123,7 +136,7 @@ def mori_config_kwargs(
         "max_total_recv_tokens": receive_cap(),
         "use_external_inp_buf": True,
         "kernel_type": kernel,
-        "gpu_per_node": min(GPUS_PER_NODE, config.world_size),
+        "gpu_per_node": gpus_per_node(config, ranks_per_host),
         "rdma_block_num": rdma_blocks,
         "num_qp_per_pe": 2,
         "quant_type": QUANT_TYPE[config.combine_dtype],
@@ -209,14 +222,16 @@ class MoriV1Provider(MoriProvider):
 
         super().__init__(setup)
         config, device, layout, group = setup.config, setup.device, setup.layout, setup.group
-        self.kernel = kernel_type_name(config)
+        self.kernel = kernel_type_name(config, setup.host_ranks())
         check_combine_quantization(config, self.kernel)
         check_receive_cap(config, self.kernel)
         check_token_index_range(config, self.kernel)
         self._max_recv_tokens = capped_recv_tokens(config, mori_tokens_per_rank(config, self.kernel))
         with on_device(device):
             init_shmem(setup.cpu_group or group or dist.group.WORLD)
-        kwargs = mori_config_kwargs(config, layout, self.token_dtype, setup.payload_dtype, _compute_units(device))
+        kwargs = mori_config_kwargs(
+            config, layout, self.token_dtype, setup.payload_dtype, setup.host_ranks(), _compute_units(device)
+        )
         kwargs["kernel_type"] = getattr(mori.ops.EpDispatchCombineKernelType, self.kernel)
         # Older MoRI releases lack some fields (quant_type, rdma_block_num...): pass what this one has.
         fields = {f.name for f in dataclasses.fields(mori.ops.EpDispatchCombineConfig)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -224,9 +225,14 @@ def test_combine_scale_dim(hidden: int, dim: str, block: int) -> None:
         (True, "1", Mode.LOW_LATENCY),
     ],
 )
-def test_modes(low_latency: bool, split: str, mode: Mode) -> None:
-    cfg = from_env({"SGLANG_MORI_SPLIT_DISPATCH_COMBINE": split}, low_latency=low_latency)
+def test_modes(low_latency: bool, split: str, mode: Mode, caplog: pytest.LogCaptureFixture) -> None:
+    """The split variable splits the normal mode; under the low-latency mode it changes nothing, and
+    the config says so rather than leave the knob silently unread."""
+    with caplog.at_level(logging.WARNING, logger="mori_sglang.config"):
+        cfg = from_env({"SGLANG_MORI_SPLIT_DISPATCH_COMBINE": split}, low_latency=low_latency)
     assert cfg.mode is mode
+    ignored = [r.getMessage() for r in caplog.records if "SGLANG_MORI_SPLIT_DISPATCH_COMBINE=1" in r.getMessage()]
+    assert len(ignored) == (low_latency and split == "1")
 
 
 @pytest.mark.parametrize(
@@ -402,7 +408,7 @@ def test_env_cli_prints_checked_values_without_warnings() -> None:
         "python -m mori_sglang.env: error: SGLANG_MORI_COMBINE_DTYPE='fp9' is not accepted; use one of: "
         "auto, bf16, fp8, fp8_direct_cast, fp4",
         "python -m mori_sglang.env: error: SGLANG_MORI_FP8_COMB='maybe' is not a boolean; use 1/0, true/false, "
-        "yes/no or on/off",
+        "yes/no, y/n or on/off",
         "python -m mori_sglang.env: error: MORI_FP8_COMBINE_SCALE_DIM=0 must be a positive integer",
     ]
 

@@ -40,9 +40,15 @@ MORI_ENV = (
 )
 
 
+# The recipes for AMD GPUs only: SGLang's MoE layers of a Quark MXFP4 checkpoint run on AITER alone.
+AMD_ONLY = ("sglang_deepseek_r1_mxfp4.sh",)
+
+
 def expected_exports(script: str) -> tuple[str, ...]:
-    """The variables a recipe's dry run exports, in order: the H200 SGLang recipe also bounds the experts' rows."""
-    return MORI_ENV + (("SGLANG_MORI_RECV_BOUND",) if script == "sglang_h200_moe.sh" else ())
+    """The variables a recipe's dry run exports, in order (on the GPUs of ``recipe_gpus``): the H200
+    SGLang recipe also bounds the experts' rows, the AMD SGLang recipe turns AITER on."""
+    own = {"sglang_h200_moe.sh": ("SGLANG_MORI_RECV_BOUND",), "sglang_deepseek_r1_mxfp4.sh": ("SGLANG_USE_AITER",)}
+    return MORI_ENV + own.get(script, ())
 
 
 @pytest.fixture
@@ -51,6 +57,11 @@ def model(tmp_path: Path) -> Path:
     path.mkdir()
     (path / "config.json").write_text("{}")
     return path
+
+
+def recipe_gpus(tmp_path: Path, script: str) -> Path:
+    """A bin directory listing eight GPUs of a vendor ``script`` serves."""
+    return fake_gpu_tool(tmp_path, "amd-smi" if script in AMD_ONLY else "nvidia-smi", 8)
 
 
 def fake_gpu_tool(tmp_path: Path, tool: str, count: int) -> Path:
@@ -120,7 +131,7 @@ def test_dry_run_prints_the_recipe(rng: random.Random, script: str, model: Path,
         "--dry-run",
         "--",
         *extra,
-        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+        bin_dir=recipe_gpus(tmp_path, script),
     )
     assert result.returncode == 0, result.stderr
     exports, command = parse_dry_run(result.stdout)
@@ -128,7 +139,9 @@ def test_dry_run_prints_the_recipe(rng: random.Random, script: str, model: Path,
     assert tuple(exports) == expected_exports(script)
     assert exports["NCCL_NVLS_ENABLE"] == "0" and exports["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert exports["SGLANG_MORI_COMBINE_DTYPE"] == dtype
-    assert exports["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] == ("1" if "deepseek" in script else "0")
+    # Split dispatch/combine is a variant of the normal mode: the DeepSeek recipes' default low-latency
+    # mode runs both directions low-latency already (the split recipes with another mode: below).
+    assert exports["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] == "0"
     assert exports["SGLANG_MORI_BACKEND"] == ("auto" if "deepseek" in script else "triton")
     assert command[-3:] == extra
     assert flag(command, "--port") == str(port)
@@ -155,12 +168,34 @@ def test_dry_run_prints_the_recipe(rng: random.Random, script: str, model: Path,
         assert flag(command, "--all2all-backend") == mode
 
 
+@pytest.mark.parametrize(
+    ("script", "mode", "split"),
+    [
+        ("sglang_deepseek_r1_mxfp4.sh", "normal", "1"),
+        ("sglang_deepseek_r1_mxfp4.sh", "auto", "1"),
+        ("sglang_deepseek_r1_mxfp4.sh", "low_latency", "0"),
+        ("vllm_deepseek_r1_mxfp4.sh", "high_throughput", "1"),
+        ("vllm_deepseek_r1_mxfp4.sh", "low_latency", "0"),
+        ("sglang_h200_moe.sh", "normal", "0"),
+        ("vllm_h200_moe.sh", "high_throughput", "0"),
+    ],
+)
+def test_the_split_recipes_split_the_mode_that_has_one(
+    script: str, mode: str, split: str, model: Path, tmp_path: Path
+) -> None:
+    """SGLANG_MORI_SPLIT_DISPATCH_COMBINE splits the normal (vLLM: high-throughput) mode; in the
+    low-latency mode, which it would not change, the recipes export 0."""
+    result = run(script, "--model", str(model), "--mode", mode, "--dry-run", bin_dir=recipe_gpus(tmp_path, script))
+    assert result.returncode == 0, result.stderr
+    assert parse_dry_run(result.stdout)[0]["SGLANG_MORI_SPLIT_DISPATCH_COMBINE"] == split
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_combine_dtype_defaults_to_the_environment(
     rng: random.Random, script: str, model: Path, tmp_path: Path
 ) -> None:
     dtype = rng.choice(COMBINE)
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    bin_dir = recipe_gpus(tmp_path, script)
     result = run(script, "--model", str(model), "--dry-run", bin_dir=bin_dir, SGLANG_MORI_COMBINE_DTYPE=dtype)
     assert result.returncode == 0, result.stderr
     assert parse_dry_run(result.stdout)[0]["SGLANG_MORI_COMBINE_DTYPE"] == dtype
@@ -219,8 +254,8 @@ def test_usage_errors(rng: random.Random, args: tuple[str, ...], message: str) -
 
 
 def test_model_path_checks(rng: random.Random, tmp_path: Path) -> None:
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
     script = rng.choice(SCRIPTS)
+    bin_dir = recipe_gpus(tmp_path, script)
     missing = tmp_path / "no-such-model"
     result = run(script, "--model", str(missing), "--dry-run", bin_dir=bin_dir)
     assert result.returncode == 1
@@ -240,7 +275,7 @@ def test_model_path_checks(rng: random.Random, tmp_path: Path) -> None:
 def test_too_few_gpus(rng: random.Random, tool: str, model: Path, tmp_path: Path) -> None:
     count = rng.randrange(0, 8)
     result = run(
-        "sglang_deepseek_r1_mxfp4.sh", "--model", str(model), "--dry-run", bin_dir=fake_gpu_tool(tmp_path, tool, count)
+        "vllm_deepseek_r1_mxfp4.sh", "--model", str(model), "--dry-run", bin_dir=fake_gpu_tool(tmp_path, tool, count)
     )
     assert result.returncode == 1
     assert f"error: this recipe needs 8 GPUs; found {count} ({tool}" in result.stderr
@@ -256,18 +291,22 @@ def test_deepseek_recipe_on_rocm_enables_aiter(tool: str, model: Path, tmp_path:
         result = run(script, "--model", str(model), "--dry-run", bin_dir=bin_dir)
         assert result.returncode == 0, result.stderr
         assert parse_dry_run(result.stdout)[0][knob] == "1"
-    result = run(
-        "sglang_deepseek_r1_mxfp4.sh",
-        "--model",
-        str(model),
-        "--dry-run",
-        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
-    )
-    assert "SGLANG_USE_AITER" not in parse_dry_run(result.stdout)[0]
+    result = run("vllm_deepseek_r1_mxfp4.sh", "--model", str(model), "--dry-run", bin_dir=recipe_gpus(tmp_path, "-"))
+    assert result.returncode == 0, result.stderr
+    assert "VLLM_ROCM_USE_AITER" not in parse_dry_run(result.stdout)[0]
+
+
+def test_the_sglang_mxfp4_recipe_needs_amd(model: Path, tmp_path: Path) -> None:
+    """SGLang runs the MoE layers of a Quark MXFP4 checkpoint on AITER only (with mori too): on NVIDIA
+    the recipe stops before the server starts."""
+    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    result = run("sglang_deepseek_r1_mxfp4.sh", "--model", str(model), "--dry-run", bin_dir=bin_dir)
+    assert result.returncode == 1
+    assert "error: this recipe is for amd GPUs; found nvidia (nvidia-smi -L)" in result.stderr
 
 
 def test_visible_devices_narrow_the_count(rng: random.Random, model: Path, tmp_path: Path) -> None:
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    bin_dir = recipe_gpus(tmp_path, "sglang_h200_moe.sh")
     gpus = rng.randrange(3, 8)  # the recipes need 2 GPUs or more, and gpus - 1 runs
     visible = ",".join(map(str, rng.sample(range(8), gpus - 1)))
     result = run(
@@ -329,7 +368,7 @@ def test_options_take_their_value_after_an_equals_sign(
         f"--port={port}",
         "--gpus=2",
         "--dry-run",
-        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+        bin_dir=recipe_gpus(tmp_path, script),
     )
     assert result.returncode == 0, result.stderr
     exports, command = parse_dry_run(result.stdout)
@@ -414,7 +453,7 @@ def test_options_take_their_value_after_an_equals_sign(
 def test_server_args_that_contradict_the_recipe_are_refused(
     script: str, extra: list[str], message: str, model: Path, tmp_path: Path
 ) -> None:
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    bin_dir = recipe_gpus(tmp_path, script)
     for dry_run in (["--dry-run"], []):
         result = run(script, "--model", str(model), *dry_run, "--", *extra, bin_dir=bin_dir, PYTHON="/bin/false")
         assert result.returncode == 2
@@ -424,7 +463,7 @@ def test_server_args_that_contradict_the_recipe_are_refused(
 @pytest.mark.parametrize(("script", "module"), [("sglang_h200_moe.sh", "sglang"), ("vllm_h200_moe.sh", "vllm")])
 def test_launch_needs_the_framework(script: str, module: str, model: Path, tmp_path: Path) -> None:
     """Without --dry-run the script checks the interpreter before it execs anything."""
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    bin_dir = recipe_gpus(tmp_path, script)
     fake_python = bin_dir / "python-without-frameworks"
     fake_python.write_text(f'#!/bin/sh\ncase "$2" in "import {module}") exit 1;; esac\necho "ran: $*"\n')
     fake_python.chmod(0o755)
@@ -441,7 +480,7 @@ def test_launch_needs_the_framework(script: str, module: str, model: Path, tmp_p
 def test_launch_shows_settings_then_execs_the_server(
     rng: random.Random, script: str, entry: str, model: Path, tmp_path: Path
 ) -> None:
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    bin_dir = recipe_gpus(tmp_path, script)
     fake_python = bin_dir / "python"
     fake_python.write_text('#!/bin/sh\necho "ran: $* combine=$SGLANG_MORI_COMBINE_DTYPE pid=$$"\n')
     fake_python.chmod(0o755)
@@ -462,7 +501,7 @@ def test_server_args_that_agree_with_the_recipe_pass(script: str, model: Path, t
         extra[-2:-2] = ["--moe-a2a-backend", "mori", "--enable-dp-attention"]
     result = run(
         script, "--model", str(model), "--port", "31234", "--dry-run", "--", *extra,
-        bin_dir=fake_gpu_tool(tmp_path, "nvidia-smi", 8),
+        bin_dir=recipe_gpus(tmp_path, script),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert parse_dry_run(result.stdout)[1][-len(extra) :] == extra
@@ -507,7 +546,7 @@ def test_the_choices_are_read_from_the_table_of_the_scripts_checkout(model: Path
     assert providers in variables
     (package / "env.py").write_text(variables.replace(providers, providers[:-1] + ', "nccl")'))
     args = ("--model", str(model), "--dispatch-dtype", "nvfp4", "--provider", "nccl", "--dry-run")
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    bin_dir = recipe_gpus(tmp_path, "sglang_h200_moe.sh")
     done = subprocess.run(
         ["bash", str(checkout / "launch" / "sglang_h200_moe.sh"), *args],
         env={"PATH": f"{bin_dir}:{system_path()}"},
@@ -524,7 +563,7 @@ def test_the_choices_are_read_from_the_table_of_the_scripts_checkout(model: Path
 
 
 def test_the_scripts_need_python3_to_read_the_choices(model: Path, tmp_path: Path) -> None:
-    bin_dir = fake_gpu_tool(tmp_path, "nvidia-smi", 8)
+    bin_dir = recipe_gpus(tmp_path, "vllm_h200_moe.sh")
     (bin_dir / "python3").write_text("#!/bin/sh\nexit 1\n")
     (bin_dir / "python3").chmod(0o755)
     result = run("vllm_h200_moe.sh", "--model", str(model), "--dry-run", bin_dir=bin_dir)

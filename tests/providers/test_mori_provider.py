@@ -22,7 +22,7 @@ from mori_sglang import formats, providers
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, Provider
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
-from mori_sglang.providers import mori_ids, mori_provider, mori_v1
+from mori_sglang.providers import mori_ids, mori_provider
 from mori_sglang.providers.device_status import DeviceStatus
 from mori_sglang.providers.mori_provider import MoriProvider, finalize_shmem, uses_ep_v2
 from mori_sglang.providers.mori_v1 import (
@@ -61,25 +61,60 @@ def test_auto_picks_native_mori_on_a_gpu_where_it_imports(monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize(
-    ("mode", "world", "max_tokens", "environ", "kernel"),
+    ("mode", "world", "per_host", "max_tokens", "environ", "kernel"),
     [
-        (Mode.INTRANODE, 8, 4096, {}, "IntraNode"),
-        (Mode.INTRANODE, 16, 4096, {}, "InterNodeV1"),
-        (Mode.INTRANODE, 16, 256, {}, "InterNodeV1"),  # SGLang: InterNodeV1LL, which misroutes dropped ids
-        (Mode.INTRANODE, 16, 257, {}, "InterNodeV1"),
-        (Mode.INTRANODE, 16, 512, {"SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "512"}, "InterNodeV1"),
-        (Mode.INTRANODE, 8, 4096, {"MORI_ENABLE_SDMA": "1"}, "AsyncLL"),
-        (Mode.LOW_LATENCY, 8, 4096, {}, "AsyncLL"),
-        (Mode.SPLIT, 8, 4096, {}, "AsyncLL"),
+        (Mode.INTRANODE, 8, 8, 4096, {}, "IntraNode"),
+        (Mode.INTRANODE, 4, 4, 4096, {}, "IntraNode"),
+        (Mode.INTRANODE, 8, 4, 4096, {}, "InterNodeV1"),  # two hosts of four GPUs
+        (Mode.INTRANODE, 2, 1, 4096, {}, "InterNodeV1"),
+        (Mode.INTRANODE, 16, 16, 4096, {}, "InterNodeV1"),  # more ranks than the intranode kernels take
+        (Mode.INTRANODE, 16, 8, 4096, {}, "InterNodeV1"),
+        (Mode.INTRANODE, 16, 8, 256, {}, "InterNodeV1"),  # SGLang: InterNodeV1LL, which misroutes dropped ids
+        (Mode.INTRANODE, 16, 8, 257, {}, "InterNodeV1"),
+        (Mode.INTRANODE, 16, 8, 512, {"SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD": "512"}, "InterNodeV1"),
+        (Mode.INTRANODE, 8, 8, 4096, {"MORI_ENABLE_SDMA": "1"}, "AsyncLL"),
+        (Mode.LOW_LATENCY, 8, 8, 4096, {}, "AsyncLL"),
+        (Mode.LOW_LATENCY, 8, 4, 4096, {}, "AsyncLL"),
+        (Mode.SPLIT, 8, 8, 4096, {}, "AsyncLL"),
     ],
 )
 def test_v1_kernel_type_as_sglang_picks_it_but_never_the_ll_internode_kernel(
-    monkeypatch: pytest.MonkeyPatch, mode: Mode, world: int, max_tokens: int, environ: dict, kernel: str
+    monkeypatch: pytest.MonkeyPatch, mode: Mode, world: int, per_host: int, max_tokens: int, environ: dict, kernel: str
 ) -> None:
+    """By the ranks' hosts, not by the world's size: eight ranks on two hosts take the inter-node kernel."""
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     cfg = EpConfig(world, 0, 7168, 256, 8, max_tokens_per_rank=max_tokens, mode=mode)
-    assert kernel_type_name(cfg) == kernel
+    assert kernel_type_name(cfg, per_host) == kernel
+
+
+@pytest.mark.parametrize(
+    ("world", "per_host", "gpu_per_node"), [(8, 8, 8), (4, 4, 4), (8, 4, 4), (16, 4, 4), (16, 8, 8), (16, 16, 8)]
+)
+def test_mori_numbers_the_hosts_as_they_are(world: int, per_host: int, gpu_per_node: int) -> None:
+    """MoRI's ``gpu_per_node`` (a rank's node is ``rank // gpu_per_node``) is the ranks of one host, in
+    blocks of at most eight (SGLang's grouping of a host of sixteen)."""
+    cfg = EpConfig(world, 0, 7168, 256, 8)
+    layout = formats.DispatchRowLayout(formats.dispatch_token_bytes(DispatchDtype.BF16, 7168), 0, 8)
+    assert mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16, per_host)["gpu_per_node"] == gpu_per_node
+
+
+@pytest.mark.parametrize(
+    ("names", "per_host"),
+    [(["a"], 1), (["a"] * 8, 8), (["a"] * 4 + ["b"] * 4, 4), (["a", "b", "c", "d"], 1), (["b"] * 2 + ["a"] * 2, 2)],
+)
+def test_the_ranks_per_host_come_from_the_host_names(names: list[str], per_host: int) -> None:
+    assert providers.host_blocks(names) == per_host
+
+
+@pytest.mark.parametrize(
+    "names", [["a", "b"] * 4, ["a"] * 5 + ["b"] * 3, ["a"] * 2 + ["b"] * 2 + ["a"] * 2, ["a", "a", "b"]]
+)
+def test_a_host_layout_mori_cannot_number_is_refused(names: list[str]) -> None:
+    """Ranks interleaved over the hosts, or unequal counts: MoRI would reach the wrong peers over the
+    GPU links, so the op refuses to build, naming the knob that picks another provider."""
+    with pytest.raises(ConfigError, match=r"consecutive ranks.*SGLANG_MORI_BACKEND=torch"):
+        providers.host_blocks(names)
 
 
 @pytest.mark.parametrize(
@@ -89,6 +124,7 @@ def test_v1_kernel_type_as_sglang_picks_it_but_never_the_ll_internode_kernel(
         (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_EP_V2": "1"}, True),
         (Mode.INTRANODE, 8, CombineDtype.BF16, {"SGLANG_MORI_EP_V2": "0"}, False),
         (Mode.INTRANODE, 16, CombineDtype.BF16, {}, False),  # across hosts
+        (Mode.INTRANODE, 4, CombineDtype.BF16, {}, True),
         (Mode.LOW_LATENCY, 8, CombineDtype.BF16, {}, False),  # AsyncLL
         (Mode.SPLIT, 8, CombineDtype.BF16, {}, False),  # AsyncLL's split combine
         (Mode.INTRANODE, 8, CombineDtype.FP8_BLOCKWISE, {}, False),  # v1's blockwise format
@@ -103,7 +139,9 @@ def test_ep_v2_where_sglang_takes_it_and_v1_elsewhere(
     monkeypatch.delenv("SGLANG_MORI_EP_V2", raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    assert uses_ep_v2(EpConfig(world, 0, 7168, 256, 8, mode=mode, combine_dtype=combine)) is v2
+    cfg = EpConfig(world, 0, 7168, 256, 8, mode=mode, combine_dtype=combine)
+    assert uses_ep_v2(cfg, min(world, 8)) is v2
+    assert not uses_ep_v2(cfg, world // 2)  # the same ranks over two hosts
 
 
 ROW_CASES = [
@@ -116,7 +154,7 @@ ROW_CASES = [
 
 @pytest.mark.parametrize(("dispatch", "hidden", "v2"), ROW_CASES)
 def test_ep_v2_only_for_rows_of_whole_16_byte_pieces(dispatch: DispatchDtype, hidden: int, v2: bool) -> None:
-    assert uses_ep_v2(EpConfig(8, 0, hidden, 256, 8, dispatch_dtype=dispatch)) is v2
+    assert uses_ep_v2(EpConfig(8, 0, hidden, 256, 8, dispatch_dtype=dispatch), 8) is v2
 
 
 @pytest.mark.parametrize(
@@ -145,7 +183,7 @@ def test_v1_config_carries_padded_scale_rows_the_combine_quantization_and_sglang
     )
     payload = formats.dispatch_payload_dtype(dispatch, torch.float8_e4m3fnuz)
     token = torch.float4_e2m1fn_x2 if dispatch is DispatchDtype.MXFP4 else payload
-    kwargs = mori_config_kwargs(cfg, layout, token, payload)
+    kwargs = mori_config_kwargs(cfg, layout, token, payload, 8)
     assert kwargs["scale_dim"] == scale_dim and kwargs["scale_type_size"] == (1 if scale_dim else 0)
     assert kwargs["quant_type"] == quant_type and kwargs["kernel_type"] == "IntraNode"
     assert (kwargs["rank"], kwargs["world_size"], kwargs["hidden_dim"]) == (3, 8, 7168)
@@ -155,7 +193,7 @@ def test_v1_config_carries_padded_scale_rows_the_combine_quantization_and_sglang
     assert (kwargs["warp_num_per_block"], kwargs["block_num"], kwargs["rdma_block_num"]) == (*grid, 0)
     assert kwargs["gpu_per_node"] == 8 and kwargs["max_token_type_size"] == 2
     # IntraNode's grid never exceeds the compute units: its combine ends in a grid-wide barrier.
-    assert mori_config_kwargs(cfg, layout, token, payload, compute_units=80)["block_num"] == min(grid[1], 80)
+    assert mori_config_kwargs(cfg, layout, token, payload, 8, compute_units=80)["block_num"] == min(grid[1], 80)
 
 
 @pytest.mark.parametrize(
@@ -231,7 +269,7 @@ def test_fp4_combine_in_blocks_of_odd_length_is_refused(
 def test_combine_quantization_a_mori_kernel_lacks_is_refused(mode: Mode, world: int, combine: CombineDtype) -> None:
     cfg = EpConfig(world, 0, 7168, 256, 8, mode=mode, dispatch_dtype=DispatchDtype.MXFP4, combine_dtype=combine)
     with pytest.raises(ConfigError, match=f"SGLANG_MORI_COMBINE_DTYPE={combine.value} is not offered by MoRI"):
-        check_combine_quantization(cfg, kernel_type_name(cfg))
+        check_combine_quantization(cfg, kernel_type_name(cfg, 8))
 
 
 @pytest.mark.parametrize(
@@ -252,9 +290,9 @@ def test_a_receive_cap_intranode_does_not_check_is_refused(
     cfg = EpConfig(world, 0, 7168, 256, 8, max_tokens_per_rank=4096, mode=mode)
     if refused:
         with pytest.raises(ConfigError, match=f"SGLANG_MORI_PREALLOC_MAX_RECV_TOKENS={cap} caps MoRI's IntraNode"):
-            check_receive_cap(cfg, kernel_type_name(cfg))
+            check_receive_cap(cfg, kernel_type_name(cfg, 8))
     else:
-        check_receive_cap(cfg, kernel_type_name(cfg))
+        check_receive_cap(cfg, kernel_type_name(cfg, 8))
 
 
 @pytest.mark.parametrize(
@@ -290,12 +328,13 @@ def test_internode_v1_gets_a_buffer_of_whole_64_token_chunks(
     capacity is MoRI's; IntraNode keeps the op's size."""
     cfg = EpConfig(16, 0, 7168, 256, 8, max_tokens_per_rank=tokens)
     layout = formats.DispatchRowLayout(formats.dispatch_token_bytes(DispatchDtype.BF16, 7168), 0, 8)
-    assert kernel_type_name(cfg) == "InterNodeV1"
-    assert mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16)["max_num_inp_token_per_rank"] == mori_tokens
-    monkeypatch.setattr(mori_provider, "GPUS_PER_NODE", 16)
-    monkeypatch.setattr(mori_v1, "GPUS_PER_NODE", 16)
-    assert kernel_type_name(cfg) == "IntraNode"
-    assert mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16)["max_num_inp_token_per_rank"] == tokens
+    assert kernel_type_name(cfg, 8) == "InterNodeV1"
+    kwargs = mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16, 8)
+    assert kwargs["max_num_inp_token_per_rank"] == mori_tokens
+    one_host = EpConfig(8, 0, 7168, 256, 8, max_tokens_per_rank=tokens)
+    assert kernel_type_name(one_host, 8) == "IntraNode"
+    kwargs = mori_config_kwargs(one_host, layout, torch.bfloat16, torch.bfloat16, 8)
+    assert kwargs["max_num_inp_token_per_rank"] == tokens
 
 
 class _Bootstrapped(Exception):
@@ -314,14 +353,18 @@ def test_mori_shmem_bootstraps_over_the_callers_cpu_group(fake_mori: None, monke
         handed.append(group)
         raise _Bootstrapped
 
+    from mori_sglang import op
+
+    asked: list[object] = []
     monkeypatch.setattr(providers, "mori_available", lambda: True)
+    monkeypatch.setattr(op, "ranks_per_host", lambda group: asked.append(group) or 2)  # the hosts' collective
     monkeypatch.setattr(mori_v1, "init_shmem", init_shmem)
     cfg = EpConfig(2, 0, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=Mode.LOW_LATENCY, provider="mori")
     device_group, cpu_group = object(), object()
     for kwargs, want in (({"cpu_group": cpu_group}, cpu_group), ({}, device_group)):
         with pytest.raises(_Bootstrapped):
             EpDispatchCombineOp(cfg, device_group, device="cpu", **kwargs)
-        assert handed.pop() is want
+        assert handed.pop() is want and asked.pop() is want
 
 
 def _bootstrap_one_stage(rank: int, world: int) -> None:
@@ -519,10 +562,10 @@ def _round_trip_worker(rank: int, world: int, seed: int, arch: str) -> None:
 
 
 def _case_env(case: Case) -> None:
-    from mori_sglang.providers import mori_provider, mori_v1
+    import torch.distributed as dist
 
-    hosts = 1 if case.one_gpu_hosts else 8
-    mori_provider.GPUS_PER_NODE = mori_v1.GPUS_PER_NODE = hosts
+    rank = dist.get_rank()
+    providers.host_name = lambda: f"host{rank}" if case.one_gpu_hosts else "host"
     # Buffers SGLang would run on InterNodeV1LL: the provider still runs InterNodeV1.
     os.environ["SGLANG_MORI_DISPATCH_INTER_KERNEL_SWITCH_THRESHOLD"] = str(MAX_TOKENS)
     os.environ["SGLANG_MORI_EP_V2"] = "1" if case.ep_v2 else "0"

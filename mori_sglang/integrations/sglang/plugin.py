@@ -113,7 +113,7 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
     if not runners:
         return
     env.check_all()  # every variable, before any model loads
-    share_recv_bound_default()
+    share_booleans_with_sglang()
     if view.moe_a2a_backend == "mori" and launch_provider(view) is Provider.TORCH:
         keep_graphs_off_a_host_synced_dispatch(server_args, view)
     if aiter_runs_experts():
@@ -174,14 +174,19 @@ def take_triton_runner_for_auto(server_args: Any, view: Any) -> bool:
     return True
 
 
-def share_recv_bound_default() -> None:
-    """Where ``SGLANG_MORI_RECV_BOUND`` is unset, write our default (on) for the servers' processes:
-    SGLang reads the same variable with its own default (off) to decide whether attention-DP ranks
-    share their token counts and capture graphs for one bucket, and without those counts the
-    dispatcher's bound is unproven and the experts get the whole receive buffer. SGLang's launcher
-    writes ``SGLANG_MORI_EP_V2`` the same way."""
-    if not env.is_set("SGLANG_MORI_RECV_BOUND"):
-        os.environ["SGLANG_MORI_RECV_BOUND"] = env.ENV_BY_NAME["SGLANG_MORI_RECV_BOUND"].default
+def share_booleans_with_sglang() -> None:
+    """Write each boolean SGLang reads too (``EnvVar.sglang_default``) as 1 or 0, our reading of it,
+    for the servers' processes, so that both sides read one value. SGLang's parser falls back to its
+    default, with a warning, on a value it does not take (" 1", "on"), and for
+    ``SGLANG_MORI_RECV_BOUND`` its default (off) is not ours (on): it decides there whether
+    attention-DP ranks share their token counts and capture graphs for one bucket, and without those
+    counts the dispatcher's bound is unproven. An unset variable whose default SGLang shares stays
+    unset: SGLang tells an explicit ``SGLANG_MORI_EP_V2`` from none (its launcher writes it)."""
+    for var in env.ENV_VARS:
+        if var.sglang_default is None:
+            continue
+        if env.is_set(var.name) or var.default != var.sglang_default:
+            os.environ[var.name] = "1" if env.get_bool(var.name) else "0"
 
 
 def check_fused_function_runs(view: Any, environ: Mapping[str, str] | None = None) -> None:

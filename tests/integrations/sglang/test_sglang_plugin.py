@@ -17,6 +17,7 @@ import contextlib
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -930,32 +931,41 @@ def test_upstreams_manual_recv_cap_is_checked_and_said_not_to_apply(
     assert len(warnings) == 1
 
 
-@pytest.mark.parametrize("user_value", [None, "0", "1"])
-def test_the_launch_shares_the_receive_bound_default_with_sglang(
-    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch, user_value: str | None
+SHARED_BOOLEANS = [var.name for var in env.ENV_VARS if var.sglang_default is not None]
+
+
+@pytest.mark.parametrize("user_value", [None, "0", "1", "on", "OFF", " 1", "y", "N", "True", ""])
+@pytest.mark.parametrize("name", SHARED_BOOLEANS)
+def test_the_launch_shares_its_booleans_with_sglang(
+    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch, name: str, user_value: str | None
 ) -> None:
-    """SGLang reads SGLANG_MORI_RECV_BOUND with its own default (off) to share attention-DP token
-    counts, which the bound needs under CUDA graphs: unset, the launch writes ours (on) for every
-    process, so both read one value; a value the user set is kept."""
+    """SGLang reads SGLANG_MORI_RECV_BOUND (to share attention-DP token counts, which the bound needs
+    under CUDA graphs) and SGLANG_MORI_EP_V2 with a parser of its own, which falls back to its default
+    on values it does not take (" 1", "on") and, for the bound, with another default (off): after the
+    launch both sides read each one alike. An unset SGLANG_MORI_EP_V2 stays unset (SGLang's launcher
+    tells an explicit value from none)."""
     from types import SimpleNamespace
 
     from sglang.srt import environ as sglang_environ
     from sglang.srt.arg_groups import overrides
 
+    assert set(SHARED_BOOLEANS) == {"SGLANG_MORI_RECV_BOUND", "SGLANG_MORI_EP_V2"}
     if user_value is None:
-        clean_env.delenv("SGLANG_MORI_RECV_BOUND")
+        clean_env.delenv(name, raising=False)
     else:
-        clean_env.setenv("SGLANG_MORI_RECV_BOUND", user_value)
-    assert sglang_environ.envs.SGLANG_MORI_RECV_BOUND.get() is (user_value == "1")
+        clean_env.setenv(name, user_value)
+    ours = env.get_bool(name)
     monkeypatch.setattr(plugin, "aiter_runs_experts", lambda: False)
     view = SimpleNamespace(
         moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None, deepep_mode="normal"
     )
     monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
-    plugin.check_env_at_launch(object(), lambda server_args: None)
-    want = user_value != "0"
-    assert sglang_environ.envs.SGLANG_MORI_RECV_BOUND.get() is want
-    assert env.get_bool("SGLANG_MORI_RECV_BOUND") is want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # SGLang warns where it cannot read a value
+        plugin.check_env_at_launch(object(), lambda server_args: None)
+        assert getattr(sglang_environ.envs, name).get() is ours
+    assert env.get_bool(name) is ours
+    assert (name in os.environ) is (user_value is not None or name == "SGLANG_MORI_RECV_BOUND")
 
 
 @pytest.mark.parametrize(
