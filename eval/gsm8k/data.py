@@ -31,6 +31,8 @@ def read_jsonl(path: Path) -> list[dict[str, str]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start}); a GSM8K file is jsonl") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
     for number, line in enumerate(lines, 1):
         if line.startswith("#") or not line.strip():
             continue
@@ -50,11 +52,11 @@ def read_jsonl(path: Path) -> list[dict[str, str]]:
 
 def download(url: str, dest: Path) -> None:
     """Fetch ``url`` into ``dest`` atomically (a partial download never looks like a cached file)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".part")
     last_error: Exception | None = None
     for attempt in range(DOWNLOAD_ATTEMPTS):
         try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
             with requests.get(url, stream=True, timeout=DOWNLOAD_TIMEOUT_S) as response:
                 response.raise_for_status()
                 with open(partial, "wb") as f:
@@ -62,10 +64,15 @@ def download(url: str, dest: Path) -> None:
                         f.write(chunk)
             partial.replace(dest)
             return
-        except requests.RequestException as e:
+        except requests.RequestException as e:  # the network's (an OSError too): worth another try
             last_error = e
             if attempt + 1 < DOWNLOAD_ATTEMPTS:
                 time.sleep(2**attempt)
+        except OSError as e:  # the cache folder's: another try would fail the same way
+            raise DataError(
+                f"cannot write the download of {url} to {dest} ({e.strerror or e}); point XDG_CACHE_HOME at a "
+                "writable folder, or pass --data-path with a local copy of GSM8K's test.jsonl"
+            ) from None
     raise DataError(
         f"could not download {url} to {dest} after {DOWNLOAD_ATTEMPTS} attempts ({last_error}); "
         "pass --data-path with a local copy of GSM8K's test.jsonl"
@@ -81,9 +88,12 @@ def load_questions(data_path: str | None) -> tuple[list[dict[str, str]], Path]:
                 f"--data-path {data_path}: no such file; omit --data-path to download GSM8K's test set once to "
                 f"{default_cache_path()}"
             )
-    else:
-        path = default_cache_path()
-        if not path.is_file():
-            print(f"Downloading {DATA_URL} to {path}")
-            download(DATA_URL, path)
-    return read_jsonl(path), path
+        return read_jsonl(path), path
+    path = default_cache_path()
+    if not path.is_file():
+        print(f"Downloading {DATA_URL} to {path}")
+        download(DATA_URL, path)
+    try:
+        return read_jsonl(path), path
+    except DataError as e:  # a proxy's page saved as the download, say
+        raise DataError(f"{e}; it is the cached download of {DATA_URL}: delete it to download again") from None

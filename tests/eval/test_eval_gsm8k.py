@@ -352,6 +352,34 @@ def test_failed_download_names_the_url_and_data_path(tmp_path: Path, monkeypatch
     assert not data.default_cache_path().exists() and not list(tmp_path.rglob("*.part"))
 
 
+def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache root that is a file (no folder can be made in it): one sentence naming the path and the
+    two ways out, without a try at the network."""
+    root = tmp_path / "a-file"
+    root.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root))
+    monkeypatch.setattr(data.requests, "get", lambda *a, **k: pytest.fail("downloaded into an unwritable cache"))
+    with pytest.raises(data.DataError) as error:
+        data.load_questions(None)
+    message = str(error.value)
+    assert f"cannot write the download of {data.DATA_URL} to {data.default_cache_path()}" in message
+    assert "XDG_CACHE_HOME" in message and "--data-path" in message
+
+
+def test_a_broken_cached_download_says_how_to_refetch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cached = data.default_cache_path()
+    cached.parent.mkdir(parents=True)
+    cached.write_text("<html>a proxy's page</html>\n")
+    with pytest.raises(data.DataError, match=r"test.jsonl:1: not JSON .*cached download .*delete it to download again"):
+        data.load_questions(None)
+
+
+def test_an_unreadable_data_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(data.DataError, match=r"cannot be read"):
+        data.read_jsonl(tmp_path)  # a folder
+
+
 def test_data_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(data.DataError, match="no such file; omit --data-path to download"):
         data.load_questions(str(tmp_path / "missing.jsonl"))
