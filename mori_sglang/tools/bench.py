@@ -92,7 +92,7 @@ class EagerRow:
     until ``count_eager_launches`` fills them in); ``d2h_copies``: device-to-host copies per step
     (likewise); ``graph_us``: the same phases replayed from a graph;
     ``torch_launch_us``: one torch launch's host µs (an in-place add, timed the same way as one more
-    phase of every iteration), the unit that makes host times of different hosts comparable (a lent
+    phase of every iteration), the unit that makes host times of different hosts comparable (a
     VM's launches cost twice a bare-metal host's); ``host_in_torch_launches``: the median over the
     iterations of each one's step (the four calls, per rank) in its own torch launches, so that a host
     that changes speed within a run changes both sides of the ratio."""

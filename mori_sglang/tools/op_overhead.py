@@ -3,7 +3,7 @@ on a GPU, its launches, direct and through Triton's launcher, all in one run.
 
     python -m mori_sglang.tools.op_overhead --tokens 128 --hidden 7168 --world 8
 
-``bench --eager`` times launches and Python together, and a lent host's launch cost moves by up to 2x
+``bench --eager`` times launches and Python together, and a host's launch cost moves by up to 2x
 from one process to the next, more than most changes to the host path. Here each call runs over every
 rank of a loopback world and is timed per rank: with launches as no-ops (what the op itself costs:
 checks, bookkeeping, views; the least mean over the repeats, as ``timeit`` reports it) and, on a GPU,
