@@ -229,9 +229,9 @@ prepare() {
 # silently replace the recipe's value; refuse it, naming the recipe's value and the script option that
 # sets it. RECIPE_FLAGS holds ALIAS=OPTION:FLAG entries: FLAG as the command spells it, the script
 # OPTION that sets it ("-" where the recipe fixes it); a flag of the command with no entry is fixed.
-# An ALIAS that undoes a switch of the command (--disable-expert-parallel) or sets what a switch
-# implies (--attn-dp-size) names that switch as its FLAG: a switch has no value to agree with, so the
-# ALIAS is refused whatever its value.
+# An ALIAS that undoes a switch of the command (vLLM's --disable-expert-parallel) names that switch
+# as its FLAG: a switch has no value to agree with, so the ALIAS is refused whatever its value.
+# (SGLang refuses a --dp-size of replicas next to the recipe's --attn-dp-size itself, by name.)
 refuse_overrides() {
     local recipe_args=$(($# - ${#EXTRA_ARGS[@]})) i arg name value given entry flag own
     local -a entries=("${RECIPE_FLAGS[@]}") recipe=("${@:1:recipe_args}")
@@ -318,13 +318,12 @@ launch_sglang() {  # launch_sglang SERVER_ARGS...
         --model-path=--model:--model-path --model=--model:--model-path
         --tp-size=--gpus:--tp-size --tensor-parallel-size=--gpus:--tp-size
         --ep-size=--gpus:--ep-size --expert-parallel-size=--gpus:--ep-size --ep=--gpus:--ep-size
-        --dp-size=--gpus:--dp-size --data-parallel-size=--gpus:--dp-size
-        --attn-dp-size=--gpus:--enable-dp-attention --attention-data-parallel-size=--gpus:--enable-dp-attention
+        --attn-dp-size=--gpus:--attn-dp-size --attention-data-parallel-size=--gpus:--attn-dp-size
         --moe-a2a-backend=-:--moe-a2a-backend --deepep-mode=--mode:--deepep-mode
         --random-seed=--seed:--random-seed --host=--host:--host --port=--port:--port
     )
     launch sglang "$PYTHON" -m sglang.launch_server --model-path "$MODEL" --trust-remote-code \
-        --tp-size "$GPUS" --ep-size "$GPUS" --dp-size "$GPUS" --enable-dp-attention \
+        --tp-size "$GPUS" --ep-size "$GPUS" --attn-dp-size "$GPUS" \
         --moe-a2a-backend mori --deepep-mode "$MODE" "$@" \
         --random-seed "$SEED" --host "$HOST" --port "$PORT" "${EXTRA_ARGS[@]}"
 }

@@ -149,8 +149,10 @@ def test_dry_run_prints_the_recipe(rng: random.Random, script: str, model: Path,
         assert command[:3] == ["python3", "-m", "sglang.launch_server"]
         assert flag(command, "--model-path") == str(model)
         assert flag(command, "--moe-a2a-backend") == "mori"
-        assert [flag(command, f"--{p}-size") for p in ("tp", "ep", "dp")] == ["8", "8", "8"]
-        assert "--enable-dp-attention" in command
+        # Attention DP over the 8 ranks, spelled as SGLang 0.5.23 asks (its --dp-size N
+        # --enable-dp-attention is deprecated); --dp-size would count whole replicas.
+        assert [flag(command, f"--{p}-size") for p in ("tp", "ep", "attn-dp")] == ["8", "8", "8"]
+        assert "--enable-dp-attention" not in command and "--dp-size" not in command
         assert flag(command, "--random-seed") == str(server_seed)
         assert flag(command, "--deepep-mode") == ("low_latency" if "deepseek" in script else "auto")
         if h200_sglang:
@@ -432,14 +434,14 @@ def test_options_take_their_value_after_an_equals_sign(
         ),
         (
             "sglang_h200_moe.sh",
-            ["--attn-dp-size", "8"],  # next to --dp-size 8 --enable-dp-attention: 8 replicas of 8-way DP
-            "'-- --attn-dp-size 8' contradicts the recipe, which runs --enable-dp-attention; "
+            ["--attn-dp-size", "4"],
+            "'-- --attn-dp-size 4' contradicts the recipe, which runs --attn-dp-size 8; "
             "set it with the script's --gpus option",
         ),
         (
             "sglang_deepseek_r1_mxfp4.sh",
             ["--attention-data-parallel-size=4"],
-            "'-- --attention-data-parallel-size=4' contradicts the recipe, which runs --enable-dp-attention; "
+            "'-- --attention-data-parallel-size=4' contradicts the recipe, which runs --attn-dp-size 8; "
             "set it with the script's --gpus option",
         ),
         (
@@ -498,7 +500,7 @@ def test_server_args_that_agree_with_the_recipe_pass(script: str, model: Path, t
     """Repeating a switch or a value the recipe sets contradicts nothing."""
     extra = ["--trust-remote-code", "--port", "31234", "--enable-expert-parallel", "--max-running-requests", "4"]
     if script in SGLANG:
-        extra[-2:-2] = ["--moe-a2a-backend", "mori", "--enable-dp-attention"]
+        extra[-2:-2] = ["--moe-a2a-backend", "mori", "--attn-dp-size", "8"]
     result = run(
         script, "--model", str(model), "--port", "31234", "--dry-run", "--", *extra,
         bin_dir=recipe_gpus(tmp_path, script),
