@@ -132,7 +132,8 @@ class TorchProvider(EpProvider):
             raise RuntimeError(
                 "the torch.distributed provider's intranode mode exchanges row counts through the host, which "
                 "CUDA-graph capture forbids: use the Triton provider (SGLANG_MORI_BACKEND=auto or triton), the "
-                "low-latency mode, or run without CUDA graphs (SGLang --disable-cuda-graph, vLLM --enforce-eager)"
+                "low-latency mode, or run without CUDA graphs (SGLang --cuda-graph-backend-decode=disabled "
+                "--cuda-graph-backend-prefill=disabled, vLLM --enforce-eager)"
             )
         send_counts = plan.send_counts.tolist()
         token = plan.token_of_copy[: sum(send_counts)]
