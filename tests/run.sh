@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets up everything on a fresh machine (CPU torch, Triton's interpreter, stock SGLang and vLLM) and
+# Sets up everything on a fresh machine (torch 2.13, Triton's interpreter, stock SGLang and vLLM) and
 # runs the whole test suite. Suites are folders of tests/: each framework's integration tests run in a
 # venv of their own, next to the real package, layered on .venv for torch and triton; everything else runs
-# in .venv. All three take about 3.4 GB of disk; pip keeps no cache of what it downloads.
+# in .venv. All three take about 3.4 GB of disk where the package index serves torch's CPU build (a CUDA
+# build adds its GPU libraries); pip keeps no cache of what it downloads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
