@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import numbers
@@ -210,10 +211,7 @@ class EpConfig:
         if low_latency:
             mode = Mode.LOW_LATENCY
             if split:  # a server of a disaggregated deployment may share the prefill's variables
-                logger.warning(
-                    "SGLANG_MORI_SPLIT_DISPATCH_COMBINE=1 splits the normal mode; this op runs the low-latency "
-                    "mode (--deepep-mode low_latency, vLLM's mori_low_latency), which it does not change"
-                )
+                _warn_split_unused()
         elif split:
             mode = Mode.SPLIT
         else:
@@ -238,6 +236,15 @@ class EpConfig:
             values["combine_block"] = combine_block_from_scale_dim(hidden, scale_dim)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+
+@functools.cache
+def _warn_split_unused() -> None:
+    """Once per process: every MoE layer builds its config, and one line says it all."""
+    logger.warning(
+        "SGLANG_MORI_SPLIT_DISPATCH_COMBINE is on, and it splits the normal mode only: this process runs the "
+        "low-latency mode (--deepep-mode low_latency, vLLM's mori_low_latency), which it does not change"
+    )
 
 
 def combine_block_from_scale_dim(hidden: int, scale_dim: int) -> int:

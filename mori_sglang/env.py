@@ -117,7 +117,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "SGLANG_MORI_SPLIT_DISPATCH_COMBINE",
         "0",
-        "1 = intranode dispatch with low-latency (async) combine.",
+        "1 = intranode dispatch with low-latency (async) combine: a variant of the normal mode; under the "
+        "low-latency mode it changes nothing (logged once).",
         kind="bool",
     ),
     EnvVar(
@@ -136,7 +137,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "modes (AsyncLL), quantized combines and groups across hosts stay on v1. 0: v1 everywhere. Every "
         "provider: the combine default for fp4 weights follows it as SGLang's does (bf16 under EP v2, fp8 "
         "under v1). "
-        "SGLang's launcher sets it (False) where its own EP v2 checks fail.",
+        "SGLang's launcher sets it (False) where its own EP v2 checks fail; a value set is written back as 1 or 0 "
+        "at launch, before SGLang reads it, so both read it alike.",
         kind="bool",
         others_set_it=True,
         sglang_default="1",
@@ -166,7 +168,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "SGLang only: 1, without two-batch overlap, hands the experts only SGLang's bound on the rows a "
         "dispatch can have received (the output's recv_cap); 0: the whole receive buffer. Upstream's "
         "default is 0 (AITER keeps its own view); on NVIDIA the Triton experts' work grows with the rows. "
-        "Unset, the launch writes 1, so SGLang's attention-DP bookkeeping, which reads it too, agrees.",
+        "SGLang's attention-DP bookkeeping reads it too, with its own parser and default (0): the launch writes "
+        "it as 1 or 0, our reading (1 where unset), so both agree.",
         kind="bool",
         sglang_default="0",
     ),

@@ -7,6 +7,7 @@ to a provider.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -76,8 +77,11 @@ class EpDispatchCombineOp:
         self.layout = formats.DispatchRowLayout(self.token_bytes, self.scale_bytes, config.topk)
         self.payload_dtype = formats.dispatch_payload_dtype(config.dispatch_dtype, self.fp8_dtype)
         # Native MoRI picks its kernels by the ranks' hosts (a collective: every rank builds its op).
-        native_mori = self.provider_kind is Provider.MORI and loopback is None
-        host_ranks = ranks_per_host(cpu_group or group) if native_mori else None
+        host_ranks = None
+        if self.provider_kind is Provider.MORI and loopback is None:
+            # An NCCL group gathers through the current GPU: the op's (as MoRI's bootstrap does).
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                host_ranks = ranks_per_host(cpu_group or group)
         setup = ProviderSetup(
             config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback, cpu_group, host_ranks
         )

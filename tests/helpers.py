@@ -78,6 +78,8 @@ def skip_without_working_interpreter() -> None:
 
 SEED_ENV = "MORI_SGLANG_TEST_SEED"
 BASE_SEED = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))
+# The processes a test spawns (gloo ranks, workers) import this module anew: they draw the same inputs.
+os.environ[SEED_ENV] = str(BASE_SEED)
 TAG_MULTIPLIER = 100003  # a received row's tag is src_rank * TAG_MULTIPLIER + src_token
 TAG_BYTES = 4
 ROUTINGS = ("random", "round_robin", "spread", "all_to_one", "dropped")
@@ -99,8 +101,12 @@ def routing_tuning(regime: str, up_to: int, **fields: int) -> KernelTuning:
     return KernelTuning(self_routing_max_tokens=up_to if regime == "self" else 0, **fields)
 
 
-def generator(seed: int, *salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(repr(salt).encode())) % 2**63)
+def generator(seed: int, *salt: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for the inputs of ``seed`` and ``salt`` in this run: the run's random base seed
+    (``MORI_SGLANG_TEST_SEED`` replays it) mixed in, so a test's fixed numbers give other inputs each
+    run while the ranks and processes of one run agree."""
+    mixed = (BASE_SEED * 1_000_003 + seed) * 1_000_003 + zlib.crc32(repr(salt).encode())
+    return torch.Generator(device).manual_seed(mixed % 2**63)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -69,6 +70,8 @@ def download(url: str, dest: Path) -> None:
             if attempt + 1 < DOWNLOAD_ATTEMPTS:
                 time.sleep(2**attempt)
         except OSError as e:  # the cache folder's: another try would fail the same way
+            with contextlib.suppress(OSError):  # no half-written file left behind
+                partial.unlink()
             raise DataError(
                 f"cannot write the download of {url} to {dest} ({e.strerror or e}); point XDG_CACHE_HOME at a "
                 "writable folder, or pass --data-path with a local copy of GSM8K's test.jsonl"

@@ -48,7 +48,9 @@ def group_hosts(group: dist.ProcessGroup | None) -> int:
 def ranks_per_host(group: dist.ProcessGroup | None) -> int:
     """How many ranks of ``group`` (None: the world) each host runs (``host_blocks``); a collective
     over the group."""
-    return host_blocks(_host_names(group) if dist.get_world_size(group) > 1 else [host_name()])
+    if dist.get_world_size(group) == 1:
+        return 1
+    return host_blocks(_host_names(group))
 
 
 def host_blocks(names: list[str]) -> int:

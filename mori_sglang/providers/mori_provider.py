@@ -117,7 +117,7 @@ def capped_recv_tokens(config: EpConfig, tokens_per_rank: int | None = None) -> 
     return config.world_size * per_rank
 
 
-def one_host(config: EpConfig, ranks_per_host: int) -> bool:
+def intranode_kernels_serve(config: EpConfig, ranks_per_host: int) -> bool:
     """Whether MoRI's intranode kernels serve the group: every rank on one host, and no more of them
     than those kernels take (``ranks_per_host``: as ``ProviderSetup.host_ranks``)."""
     return ranks_per_host >= config.world_size and config.world_size <= INTRANODE_MAX_RANKS
@@ -134,7 +134,7 @@ def uses_ep_v2(config: EpConfig, ranks_per_host: int) -> bool:
     return (
         env.get_bool("SGLANG_MORI_EP_V2")
         and config.mode is Mode.INTRANODE
-        and one_host(config, ranks_per_host)
+        and intranode_kernels_serve(config, ranks_per_host)
         and config.combine_dtype is CombineDtype.BF16
         and token_bytes % V2_ROW_ALIGN == 0
         and (2 * config.hidden) % V2_ROW_ALIGN == 0

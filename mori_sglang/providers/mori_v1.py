@@ -35,8 +35,8 @@ from mori_sglang.providers.mori_provider import (
     MoriProvider,
     capped_recv_tokens,
     init_shmem,
+    intranode_kernels_serve,
     on_device,
-    one_host,
     receive_cap,
 )
 from mori_sglang.types import CombineHandle, DispatchOutput
@@ -66,23 +66,24 @@ BLOCKWISE_KERNELS = {"fp8_blockwise": ("IntraNode", "AsyncLL"), "fp4_blockwise":
 
 def kernel_type_name(config: EpConfig, ranks_per_host: int) -> str:
     """AsyncLL for the split kinds (the only kernel with separate send and receive calls) and with
-    SDMA copies; IntraNode within a host (``mori_provider.one_host``); InterNodeV1 across hosts at
+    SDMA copies; IntraNode within a host (``mori_provider.intranode_kernels_serve``); InterNodeV1 across hosts at
     every buffer size (not InterNodeV1LL: see the module's docstring)."""
     if config.mode is not Mode.INTRANODE or env.get_bool("MORI_ENABLE_SDMA"):
         return "AsyncLL"
-    if one_host(config, ranks_per_host):
+    if intranode_kernels_serve(config, ranks_per_host):
         return "IntraNode"
     return "InterNodeV1"
 
 
 def gpus_per_node(config: EpConfig, ranks_per_host: int) -> int:
     """MoRI's ``gpu_per_node``, the ranks it reaches over a host's GPU links (``rank // gpu_per_node``
-    is a rank's node): the ranks of one host, in blocks of at most ``INTRANODE_MAX_RANKS`` that divide
-    them (as SGLang's 8 for a host of 16)."""
-    per_node = min(ranks_per_host, config.world_size)
-    if per_node > INTRANODE_MAX_RANKS:
-        per_node = math.gcd(per_node, INTRANODE_MAX_RANKS)
-    return per_node
+    is a rank's node). A world the intranode kernels serve keeps its size, as SGLang passes it.
+    Otherwise MoRI asserts a power of two that divides the world: the largest one of at most
+    ``INTRANODE_MAX_RANKS`` that divides a host's ranks (8 for a host of 16, as SGLang's; 2 for hosts
+    of 6, whose other ranks MoRI then reaches as it reaches other hosts')."""
+    if intranode_kernels_serve(config, ranks_per_host):
+        return config.world_size
+    return math.gcd(min(ranks_per_host, config.world_size), INTRANODE_MAX_RANKS)
 
 
 def mori_tokens_per_rank(config: EpConfig, kernel: str) -> int:

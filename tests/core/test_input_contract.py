@@ -25,7 +25,7 @@ from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import CombineHandle, DispatchOutput, InputError, PeerTimeoutError
-from tests.helpers import RankInputs, Scenario, check_step, run_gloo, run_step, world_inputs
+from tests.helpers import RankInputs, Scenario, check_step, generator, run_gloo, run_step, world_inputs
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -292,7 +292,7 @@ def test_nan_and_infinity_rules_of_every_dispatch_format() -> None:
 @pytest.mark.parametrize("combine", COMBINES)
 def test_nan_and_infinity_through_the_triton_combine(combine: CombineDtype) -> None:
     """The kernels follow the reference bit for bit (NaN payloads aside), NaN and ±inf in any block."""
-    gen = torch.Generator().manual_seed(5)
+    gen = generator(5)
     ys = [torch.randn(2, 256, generator=gen) for _ in range(2)]
     ys[0][0, 7], ys[0][1, 130], ys[1][0, 255], ys[1][1, 0] = NAN, INF, -INF, NAN
     cfg = EpConfig(2, 0, 256, 4, 2, max_tokens_per_rank=1, combine_dtype=combine)
@@ -328,7 +328,7 @@ def test_nan_and_infinity_through_the_fused_dispatch_quantization(dispatch: Disp
 
 
 def _batch(cfg: EpConfig, n: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(cfg.world_size)]
     ws = [torch.rand(n, cfg.topk, generator=gen).to(DEVICE) for _ in range(cfg.world_size)]
     ids = [torch.randint(0, cfg.num_experts, (n, cfg.topk), generator=gen).to(DEVICE) for _ in range(cfg.world_size)]
@@ -342,7 +342,29 @@ def _dispatch(world: LoopbackWorld, xs, ws, ids):
 
 
 def _identity(outs) -> list[torch.Tensor]:
-    return [o.tokens.float().clone() for o in outs]
+    """The identity expert: every received row as f32, the rows past them NaN (a combine that read one
+    would show it)."""
+    ys = []
+    for out in outs:
+        y = out.tokens.float().clone()
+        y[out.num_recv_host() :] = float("nan")
+        ys.append(y)
+    return ys
+
+
+def _identity_combined(cfg: EpConfig, xs, ids) -> list[torch.Tensor]:
+    """The identity expert's combine from the inputs alone (bf16 both ways): each token times the
+    ranks it went to, exact in f32 and rounded once."""
+    local = cfg.num_experts // cfg.world_size
+    combined = []
+    for x, rows in zip(xs, ids, strict=True):
+        copies = [len({int(e) // local for e in row if 0 <= e < cfg.num_experts}) for row in rows.tolist()]
+        combined.append((x.float().cpu() * torch.tensor(copies, dtype=torch.float32)[:, None]).to(torch.bfloat16))
+    return combined
+
+
+def _equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -356,6 +378,7 @@ def test_a_combine_with_an_older_dispatchs_handle(mode: Mode) -> None:
         outs_a = _dispatch(world, *batch_a)
         ys_a = _identity(outs_a)
         fresh = world.combine(ys_a, [o.handle for o in outs_a])
+        assert _equal(fresh, _identity_combined(cfg, batch_a[0], batch_a[2]))
         outs_a = _dispatch(world, *batch_a)
         _dispatch(world, *batch_b)
         if provider == "triton":
@@ -392,10 +415,7 @@ def test_a_combine_given_something_else_than_a_handle_is_refused(provider: str) 
         with pytest.raises(InputError, match=rf"DispatchOutput.handle\), got {type(wrong).__name__}"):
             world.ops[0].combine_send(ys[0], wrong)
     combined = world.combine(ys, [o.handle for o in outs])
-    reference_world = LoopbackWorld(replace(cfg, provider="torch"), DEVICE)
-    reference_outs = _dispatch(reference_world, *batch)
-    reference = reference_world.combine(_identity(reference_outs), [o.handle for o in reference_outs])
-    assert all(torch.equal(c, r) for c, r in zip(combined, reference, strict=True))
+    assert _equal(combined, _identity_combined(cfg, batch[0], batch[2]))
 
 
 class _ResendingOp:
@@ -466,11 +486,8 @@ def test_the_torch_provider_dispatches_while_a_combine_is_in_flight() -> None:
     combine is received, and both batches come back right."""
     cfg = EpConfig(2, 0, 128, 4, 2, max_tokens_per_rank=5, mode=Mode.LOW_LATENCY, provider="torch")
     batch_a, batch_b = _batch(cfg, 5, 16), _batch(cfg, 3, 17)
-    world, reference = LoopbackWorld(cfg, DEVICE), LoopbackWorld(cfg, DEVICE)
-    expected = [
-        reference.combine(_identity(outs), [o.handle for o in outs])
-        for outs in (_dispatch(reference, *batch_a), _dispatch(reference, *batch_b))
-    ]
+    world = LoopbackWorld(cfg, DEVICE)
+    expected = [_identity_combined(cfg, batch[0], batch[2]) for batch in (batch_a, batch_b)]
     outs_a = _dispatch(world, *batch_a)
     for op, y, out in zip(world.ops, _identity(outs_a), outs_a, strict=True):
         op.combine_send(y, out.handle)
@@ -480,7 +497,7 @@ def test_the_torch_provider_dispatches_while_a_combine_is_in_flight() -> None:
     outs_b = [op.dispatch_recv() for op in world.ops]
     combined_b = world.combine(_identity(outs_b), [o.handle for o in outs_b])
     for got, want in zip((combined_a, combined_b), expected, strict=True):
-        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        assert _equal(got, want)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -651,7 +668,7 @@ def _collective_round_then_stalled_peer(rank: int, world_size: int, mode: Mode, 
     cfg = EpConfig(world_size, rank, 128, 6, 2, max_tokens_per_rank=2, mode=mode, provider="torch",
                    peer_timeout_s=1.0)  # fmt: skip
     op = EpDispatchCombineOp(cfg, device="cpu")
-    gen = torch.Generator().manual_seed(seed + rank)
+    gen = generator(seed, rank)
     x = torch.randn(2, 128, generator=gen).to(torch.bfloat16)
     weights = torch.rand(2, 2, generator=gen)
     ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(2)])
@@ -766,7 +783,7 @@ def test_bf16_tokens_the_op_quantizes_take_no_scale_rows_of_their_own(provider: 
     """The op quantizes bf16 tokens into the format's own scale row: scales passed with them (once
     dropped unseen) and an op built for scale rows of another size (once a reshape error) are refused,
     naming what to pass instead; pre-quantized tokens still carry the wider row."""
-    gen = torch.Generator().manual_seed(7)
+    gen = generator(7)
     hidden, n = 256, 2
     x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
     weights, ids = torch.rand(n, 2, generator=gen), torch.randint(0, 4, (n, 2), generator=gen)

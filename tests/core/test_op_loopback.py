@@ -28,6 +28,7 @@ from tests.helpers import (
     Scenario,
     assert_results_identical,
     check_step,
+    generator,
     make_tokens,
     make_topk_ids,
     needs_cuda,
@@ -261,7 +262,7 @@ def test_bad_shapes_and_dtypes(field: str, make: Callable[[RankInputs], torch.Te
 
 def test_wrong_hidden() -> None:
     scn = small()
-    x = make_tokens("normal", 4, 128, torch.Generator().manual_seed(1))
+    x = make_tokens("normal", 4, 128, generator(1))
     rejected_dispatch(scn, InputError, "hidden 128", payload=x)
 
 
@@ -346,7 +347,7 @@ def test_ranks_out_of_step_are_named(mode: Mode) -> None:
     mailbox (an AssertionError) or in torch (a size mismatch)."""
     cfg = EpConfig(2, 0, 64, 4, 2, max_tokens_per_rank=4, mode=mode, provider="torch")
     world = LoopbackWorld(cfg)
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(0)
     xs = [torch.randn(3, 64, generator=gen).bfloat16() for _ in range(2)]
     ids = [torch.tensor([[0, 2], [1, 3], [2, 0]], dtype=torch.int32)] * 2
     weights = [torch.rand(3, 2, generator=gen)] * 2
@@ -410,7 +411,7 @@ def test_loopback_hub_size_must_match() -> None:
 
 def test_routing_generator_shapes() -> None:
     """The helpers the whole suite leans on: ids in range, distinct per token, the promised structure."""
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(0)
     for kind in ROUTINGS:
         ids = make_topk_ids(kind, 12, 64, 9, 4, gen)
         assert ids.shape == (12, 9) and int(ids.max()) < 64

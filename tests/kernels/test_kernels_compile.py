@@ -31,7 +31,7 @@ from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.providers import triton_provider
 from mori_sglang.tools import launch_specs
 from mori_sglang.tools.launch_specs import KERNELS, as_fnuz, as_gpu_launch, as_hopper_launch, recorded_launches
-from tests.helpers import routing_tuning
+from tests.helpers import generator, routing_tuning
 
 REPO = Path(__file__).resolve().parents[2]
 PAIRS = [
@@ -46,7 +46,7 @@ def _step(cfg: EpConfig, tokens: list[int], routing: str) -> None:
     world = LoopbackWorld(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     # Routing tasks of 64 tokens, so that a 65-token batch spans two blocks.
     world.set_kernel_tuning(routing_tuning(routing, max(tokens), route_block=64))
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(0)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16).to(world.device) for n in tokens]
     ids = [torch.rand(n, cfg.num_experts, generator=gen).topk(cfg.topk, dim=1).indices.to(world.device) for n in tokens]
     weights = [torch.rand(n, cfg.topk, generator=gen).to(world.device) for n in tokens]

@@ -34,7 +34,7 @@ from mori_sglang.providers.mori_v1 import (
 )
 from mori_sglang.providers.mori_v2 import MoriV2Provider, scale_row
 from mori_sglang.types import InputError
-from tests.helpers import make_topk_ids, run_gloo
+from tests.helpers import generator, make_topk_ids, run_gloo
 
 FAKE_MORI = str(Path(__file__).parents[1] / "fake_mori")
 EXPERTS, TOPK, MAX_TOKENS = 8, 3, 6
@@ -89,14 +89,19 @@ def test_v1_kernel_type_as_sglang_picks_it_but_never_the_ll_internode_kernel(
 
 
 @pytest.mark.parametrize(
-    ("world", "per_host", "gpu_per_node"), [(8, 8, 8), (4, 4, 4), (8, 4, 4), (16, 4, 4), (16, 8, 8), (16, 16, 8)]
+    ("world", "per_host", "gpu_per_node"),
+    [(8, 8, 8), (4, 4, 4), (6, 6, 6), (8, 4, 4), (16, 4, 4), (16, 8, 8), (16, 16, 8), (12, 12, 4), (12, 6, 2)],
 )
-def test_mori_numbers_the_hosts_as_they_are(world: int, per_host: int, gpu_per_node: int) -> None:
-    """MoRI's ``gpu_per_node`` (a rank's node is ``rank // gpu_per_node``) is the ranks of one host, in
-    blocks of at most eight (SGLang's grouping of a host of sixteen)."""
-    cfg = EpConfig(world, 0, 7168, 256, 8)
+@pytest.mark.parametrize("mode", [Mode.INTRANODE, Mode.LOW_LATENCY])
+def test_mori_numbers_the_hosts_as_they_are(mode: Mode, world: int, per_host: int, gpu_per_node: int) -> None:
+    """MoRI's ``gpu_per_node`` (a rank's node is ``rank // gpu_per_node``; AsyncLL's SDMA copies stay
+    within one) is the ranks of one host; across hosts, or past eight ranks, the largest power of two
+    up to eight that divides them (MoRI asserts a power of two that divides the world)."""
+    cfg = EpConfig(world, 0, 7168, 48 * world, 8, mode=mode)
     layout = formats.DispatchRowLayout(formats.dispatch_token_bytes(DispatchDtype.BF16, 7168), 0, 8)
-    assert mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16, per_host)["gpu_per_node"] == gpu_per_node
+    got = mori_config_kwargs(cfg, layout, torch.bfloat16, torch.bfloat16, per_host)["gpu_per_node"]
+    assert got == gpu_per_node and world % got == 0
+    assert (got & (got - 1)) == 0 or (per_host == world <= 8)  # a power of two across hosts
 
 
 @pytest.mark.parametrize(
@@ -141,7 +146,8 @@ def test_ep_v2_where_sglang_takes_it_and_v1_elsewhere(
         monkeypatch.setenv(name, value)
     cfg = EpConfig(world, 0, 7168, 256, 8, mode=mode, combine_dtype=combine)
     assert uses_ep_v2(cfg, min(world, 8)) is v2
-    assert not uses_ep_v2(cfg, world // 2)  # the same ranks over two hosts
+    if v2:
+        assert not uses_ep_v2(cfg, world // 2)  # the same ranks over two hosts
 
 
 ROW_CASES = [
@@ -605,7 +611,7 @@ def _round_trip(rank: int, world: int, seed: int, arch: str, case: Case) -> None
     provider = ops["mori"].provider
     api = mori.ops.dispatch_combine_v2.EpDispatchCombineOp if case.kernel == "v2" else mori.ops.EpDispatchCombineOp
     assert isinstance(provider.op, api) and provider.kernel == case.kernel, (case, provider.kernel)
-    gen = torch.Generator().manual_seed(seed + rank)
+    gen = generator(seed, rank)
     results = {}
     first_tokens = None
     for step in range(2):  # the second step overwrites the first's buffers
@@ -694,7 +700,7 @@ def _a_dispatch_before_the_last_combine(rank: int, world: int) -> None:
         cfg = EpConfig(world, rank, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS)
         ops = [EpDispatchCombineOp(replace(cfg, provider=p), device="cpu") for p in ("mori", "torch")]
         assert ops[0].provider.kernel == case.kernel
-        gen = torch.Generator().manual_seed(rank)
+        gen = generator(rank)
         x, weights = torch.randn(2, 256, generator=gen).to(torch.bfloat16), torch.rand(2, TOPK, generator=gen)
         ids = make_topk_ids("random", 2, EXPERTS, TOPK, world, gen)
         combined = []
@@ -730,7 +736,7 @@ def _a_capped_receive(rank: int, world: int) -> None:
             assert ops[0].provider.kernel == case.kernel
             assert ops[0].max_recv_tokens == ops[0].provider.op.max_num_tokens_to_recv() == world * per_rank
             assert ops[1].max_recv_tokens == world * MAX_TOKENS
-            gen = torch.Generator().manual_seed(rank + cap)
+            gen = generator(rank, cap)
             x, weights = torch.randn(2, 256, generator=gen).to(torch.bfloat16), torch.rand(2, TOPK, generator=gen)
             ids = make_topk_ids("random", 2, EXPERTS, TOPK, world, gen)
             combined = []

@@ -21,7 +21,7 @@ from mori_sglang.providers import triton_provider
 from mori_sglang.providers.triton_provider import PeerTimeoutError
 from mori_sglang.routing import source_of_rows
 from mori_sglang.types import InputError
-from tests.helpers import ROUTING_REGIMES, routing_tuning
+from tests.helpers import ROUTING_REGIMES, generator, routing_tuning
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -43,7 +43,7 @@ def _config(world: int = WORLD, hidden: int = HIDDEN, **overrides: object) -> Ep
 def _inputs(cfg: EpConfig, counts: list[int], seed: int):
     """Random tokens (magnitudes 1e-4 to 1e2), expert ids (10 % dropped as -1) and weights per rank, made
     on the device: the GPU soak's thousand rounds would otherwise spend minutes in the host's generator."""
-    gen = torch.Generator(DEVICE).manual_seed(seed)
+    gen = generator(seed, device=DEVICE)
     xs, weights, ids = [], [], []
     for n in counts:
         magnitude = 10.0 ** torch.randint(-4, 3, (n, 1), generator=gen, device=DEVICE)

@@ -11,13 +11,14 @@ registered with its ``HookRegistry``. ``register`` adds:
   experts (NVIDIA), mori layers are built as ``FusedMoE``, whose quant methods run the Triton runner,
   instead of ``DeepEPMoE``, which reads DeepEP's layouts (upstream does the same for MoRI EPv2);
 - the fused function of (mori, triton) in SGLang's ``FusedOpPool`` (``triton_experts``);
-- a wrapper around the ``handle_a2a_moe`` resolution step: SGLang's checks run first (the chunked
-  prefill size against ``SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK`` among them), then, when the
-  backend is mori, every variable we read is parsed and the MoE runner backend is checked, so a bad
-  value stops the launch with its name instead of failing later in a worker; the provider is resolved
-  for the servers' hosts (a choice that cannot run there stops the launch, and the torch provider's
-  host-synchronised normal mode turns CUDA graphs off); and an unset ``SGLANG_MORI_RECV_BOUND`` is
-  written with our default, which SGLang's own reading then shares.
+- a wrapper around the ``handle_a2a_moe`` resolution step: where mori is asked for, every variable we
+  read is parsed first, so a bad value stops the launch with its name instead of failing later in a
+  worker, and the booleans SGLang reads too are written as 1 or 0, our reading, before SGLang's step
+  reads them (``share_booleans_with_sglang``); then SGLang's checks run (the chunked prefill size
+  against ``SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK`` among them), then ours: the MoE runner
+  backend is checked, and the provider is resolved for the servers' hosts (a choice that cannot run
+  there stops the launch, and the torch provider's host-synchronised normal mode turns CUDA graphs
+  off).
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
     layers or a speculative draft's (``--speculative-moe-*`` default to the target's)."""
     from sglang.srt.arg_groups.overrides import resolved_view
 
+    asked = (getattr(server_args, "moe_a2a_backend", None), getattr(server_args, "speculative_moe_a2a_backend", None))
+    if "mori" in asked:  # before SGLang's step reads SGLANG_MORI_EP_V2 (and later steps the bound)
+        env.check_all()  # every variable, before any model loads
+        share_booleans_with_sglang()
     previous(server_args)
     view = resolved_view(server_args)
     runners = {}
@@ -112,7 +117,7 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
             runners["--speculative-moe-runner-backend"] = draft_runner
     if not runners:
         return
-    env.check_all()  # every variable, before any model loads
+    env.check_all()  # again where resolution, not the flags, chose mori (a draft's default)
     share_booleans_with_sglang()
     if view.moe_a2a_backend == "mori" and launch_provider(view) is Provider.TORCH:
         keep_graphs_off_a_host_synced_dispatch(server_args, view)

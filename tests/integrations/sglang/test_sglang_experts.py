@@ -68,7 +68,7 @@ from mori_sglang.integrations.sglang import dispatcher as dispatcher_module  # n
 from mori_sglang.integrations.sglang import triton_experts  # noqa: E402
 from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher, release_shared_ops  # noqa: E402
 from mori_sglang.kernels.interpreter import install_exact_casts  # noqa: E402
-from tests.helpers import generator, run_gloo  # noqa: E402
+from tests.helpers import SEED_ENV, generator, run_gloo  # noqa: E402
 
 HIDDEN = 256
 INTERMEDIATE = 128
@@ -347,7 +347,7 @@ def reference_partials(
 
 def setup_worker() -> None:
     for name in list(os.environ):
-        if name.startswith(("SGLANG_MORI_", "MORI_")):
+        if name.startswith(("SGLANG_MORI_", "MORI_")) and name != SEED_ENV:
             del os.environ[name]
     os.environ["SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] = str(CAP)
     install_cpu_stand_ins()

@@ -54,7 +54,7 @@ from mori_sglang.integrations.sglang import plugin  # noqa: E402
 from mori_sglang.integrations.sglang.dispatcher import MoriSglangDispatcher, release_shared_ops  # noqa: E402
 from mori_sglang.op import EpDispatchCombineOp, InputError  # noqa: E402
 from mori_sglang.providers.mori_provider import finalize_shmem  # noqa: E402
-from tests.helpers import generator, run_gloo  # noqa: E402
+from tests.helpers import SEED_ENV, generator, run_gloo  # noqa: E402
 
 # Captured before any test loads the plugins, inside a tuple: the registry rebinds every module-level
 # name that holds the replaced class.
@@ -124,7 +124,7 @@ def plugins_loaded() -> None:
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """Every SGLANG_MORI_* variable unset (restored afterwards), so the defaults apply."""
     for name in list(os.environ):
-        if name.startswith(("SGLANG_MORI_", "MORI_")):
+        if name.startswith(("SGLANG_MORI_", "MORI_")) and name != SEED_ENV:
             monkeypatch.delenv(name)
     monkeypatch.setenv(*WHOLE_BUFFER)
     return monkeypatch
@@ -378,6 +378,13 @@ def restored_environ() -> Iterator[None]:
     os.environ.update(saved)
 
 
+def resolved(args: ServerArgs) -> object:
+    """The values launch resolution settled on (what the servers read)."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    return resolved_view(args)
+
+
 def resolve(model: str, backend: str, chunked_prefill_size: int = 2048, runner: str = "auto") -> ServerArgs:
     args = ServerArgs(
         model_path=model,
@@ -398,7 +405,7 @@ def test_launch_keeps_sglangs_chunked_prefill_check(
 ) -> None:
     clean_env.setenv(CAP_VAR, cap)
     if ok:
-        resolve(tiny_moe_model, "mori", chunked_prefill_size=2048)
+        assert resolved(resolve(tiny_moe_model, "mori", chunked_prefill_size=2048)).chunked_prefill_size == 2048
     else:
         with pytest.raises(AssertionError, match=CAP_VAR):
             resolve(tiny_moe_model, "mori", chunked_prefill_size=2048)
@@ -430,7 +437,7 @@ def test_launch_accepts_only_runners_that_consume_mori_outputs(
     """Where AITER does not run the experts (NVIDIA, and this CPU), only the Triton runner reads our
     outputs: any other --moe-runner-backend stops the launch with one sentence naming the flag."""
     if ok:
-        resolve(tiny_moe_model, "mori", runner=runner)
+        assert resolved(resolve(tiny_moe_model, "mori", runner=runner)).moe_runner_backend == runner
         return
     with pytest.raises(
         ValueError, match=rf"^--moe-runner-backend {runner} cannot .* use --moe-runner-backend auto or triton \("
@@ -441,14 +448,14 @@ def test_launch_accepts_only_runners_that_consume_mori_outputs(
 def test_other_a2a_backends_keep_their_runner_choice(
     plugins_loaded: None, tiny_moe_model: str, restored_environ: None, clean_env: pytest.MonkeyPatch
 ) -> None:
-    resolve(tiny_moe_model, "none", runner="deep_gemm")
+    assert resolved(resolve(tiny_moe_model, "none", runner="deep_gemm")).moe_runner_backend == "deep_gemm"
 
 
 def test_aiter_platforms_keep_their_runner_choice(
     plugins_loaded: None, tiny_moe_model: str, restored_environ: None, clean_env: pytest.MonkeyPatch
 ) -> None:
     clean_env.setattr(plugin, "aiter_runs_experts", lambda: True)
-    resolve(tiny_moe_model, "mori", runner="deep_gemm")
+    assert resolved(resolve(tiny_moe_model, "mori", runner="deep_gemm")).moe_runner_backend == "deep_gemm"
 
 
 @pytest.mark.parametrize(
@@ -637,9 +644,18 @@ def test_batch_over_the_cap_is_an_error_not_a_silent_zero(
     d = make_dispatcher(tp, deepep_mode)
     with pytest.raises(InputError, match=f"17 tokens exceed {CAP_VAR}=16"):
         d.dispatch(hidden_states=tokens(17, seed), topk_output=topk_output(17, 8, seed))
-    out = d.dispatch(hidden_states=tokens(16, seed), topk_output=topk_output(16, 8, seed))
-    combined = d.combine(combine_input=combine_input_of(out, torch.ones(16, HIDDEN, dtype=torch.bfloat16)))
-    assert combined.shape == (16, HIDDEN)
+    x, topk = tokens(16, seed, 1), topk_output(16, 8, seed, 1)
+    out = d.dispatch(hidden_states=x, topk_output=topk)
+    # One rank owns every expert: each kept token comes back once; rows past them are poisoned.
+    kept = (topk.topk_ids >= 0).any(dim=1)
+    n = int(kept.sum())
+    assert out.num_recv_tokens_per_expert.tolist() == [n]
+    y = torch.full((16, HIDDEN), float("nan"), dtype=torch.bfloat16)
+    y[:n] = torch.randn(n, HIDDEN, generator=generator(seed, 2)).to(torch.bfloat16)
+    combined = d.combine(combine_input=combine_input_of(out, y))
+    want = torch.zeros(16, HIDDEN, dtype=torch.bfloat16)
+    want[kept] = y[:n]
+    assert combined.shape == (16, HIDDEN) and torch.equal(combined, want)
 
 
 def test_non_bf16_activations_are_refused(tp: GroupCoordinator, clean_env: pytest.MonkeyPatch, seed: int) -> None:
@@ -822,7 +838,7 @@ def check_layer(
 
 def _layer_worker(rank: int, world_size: int, seed: int) -> None:
     for name in list(os.environ):
-        if name.startswith(("SGLANG_MORI_", "MORI_")):
+        if name.startswith(("SGLANG_MORI_", "MORI_")) and name != SEED_ENV:
             del os.environ[name]
     os.environ.update([WHOLE_BUFFER])
     os.environ[CAP_VAR] = str(LAYER_CAP)
@@ -843,7 +859,7 @@ def _mori_layer_worker(rank: int, world_size: int, seed: int) -> None:
     """The same layer through SGLANG_MORI_BACKEND=mori, over the MoRI stand-in (tests/fake_mori)."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "fake_mori"))
     for name in list(os.environ):
-        if name.startswith(("SGLANG_MORI_", "MORI_")):
+        if name.startswith(("SGLANG_MORI_", "MORI_")) and name != SEED_ENV:
             del os.environ[name]
     os.environ.update([WHOLE_BUFFER])
     os.environ[CAP_VAR] = str(LAYER_CAP)
@@ -960,9 +976,14 @@ def test_the_launch_shares_its_booleans_with_sglang(
         moe_a2a_backend="mori", moe_runner_backend="auto", speculative_algorithm=None, deepep_mode="normal"
     )
     monkeypatch.setattr(overrides, "resolved_view", lambda server_args: view)
+    seen_by_sglangs_step = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # SGLang warns where it cannot read a value
-        plugin.check_env_at_launch(object(), lambda server_args: None)
+        plugin.check_env_at_launch(
+            SimpleNamespace(moe_a2a_backend="mori"),
+            lambda server_args: seen_by_sglangs_step.append(getattr(sglang_environ.envs, name).get()),
+        )
+        assert seen_by_sglangs_step == [ours]  # SGLang's own step (the EP v2 choice) reads ours already
         assert getattr(sglang_environ.envs, name).get() is ours
     assert env.get_bool(name) is ours
     assert (name in os.environ) is (user_value is not None or name == "SGLANG_MORI_RECV_BOUND")
