@@ -102,9 +102,18 @@ def test_reference_is_the_exact_sum_of_routed_rows(rng: random.Random) -> None:
         len({int(e) // per_rank for e in row}) for ids in work.topk_ids for row in ids
     )  # each token goes once to each distinct rank of its top-k
     assert sum(y.shape[0] for y in work.expert_outputs) == total_rows
-    assert sum(float(r.sum()) for r in work.reference) == pytest.approx(
-        sum(float(y.float().sum()) for y in work.expert_outputs), rel=1e-4, abs=1e-3
-    )
+    # Token by token: a destination's rows come by source rank, then source token (as dispatch
+    # delivers them); each token's reference is its rows added in destination order, in f32.
+    want = [torch.zeros(ids.shape[0], setup.hidden) for ids in work.topk_ids]
+    for dest, y in enumerate(work.expert_outputs):
+        row = 0
+        for src, ids in enumerate(work.topk_ids):
+            for t, experts in enumerate(ids.tolist()):
+                if dest in {int(e) // per_rank for e in experts}:
+                    want[src][t] += y[row].float()
+                    row += 1
+        assert row == y.shape[0]
+    assert all(torch.equal(got, exact) for got, exact in zip(work.reference, want, strict=True))
 
 
 def test_modes_rank_as_their_formats_predict(rng: random.Random) -> None:

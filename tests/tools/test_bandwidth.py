@@ -20,11 +20,12 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def test_fan_out_writes_the_high_byte_of_every_element_to_every_destination(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(-(1 << 15), 1 << 15, (5, 256), generator=gen, dtype=torch.int32).to(torch.int16).to(DEVICE)
-    out = torch.full((4, 5, 256), 0xA5, dtype=torch.uint8, device=DEVICE)  # poison: an unwritten byte fails
-    bandwidth.fan_out(x, out, warps=1, programs=2)
     expected = (x.to(torch.int32) >> 8).to(torch.uint8)
-    for d in range(4):
-        assert torch.equal(out[d], expected), f"destination {d}"
+    for poison in (0xA5, 0x5A):  # an unwritten byte keeps one of two poisons, which no element matches twice
+        out = torch.full((4, 5, 256), poison, dtype=torch.uint8, device=DEVICE)
+        bandwidth.fan_out(x, out, warps=1, programs=2)
+        for d in range(4):
+            assert torch.equal(out[d], expected), f"destination {d}, poison {poison:#x}"
 
 
 def test_a_hidden_size_the_tile_does_not_divide_is_refused() -> None:
@@ -43,6 +44,8 @@ def test_cli_prints_each_pattern_against_the_copy_roofline(capsys: pytest.Captur
     assert text.count("\n| ") == len(patterns) + 1  # header rule and one row per pattern
 
 
-def test_cli_refuses_a_fan_out_that_is_not_a_power_of_two() -> None:
-    with pytest.raises(SystemExit):
+def test_cli_refuses_a_fan_out_that_is_not_a_power_of_two(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
         bandwidth.main(["--fan-out", "3"])
+    assert stop.value.code == 2
+    assert "--fan-out" in capsys.readouterr().err

@@ -122,7 +122,9 @@ def test_every_mode_round_trips(mode: str, capsys: pytest.CaptureFixture[str]) -
     roundtrip.main(
         [*TINY, "--mode", mode, "--iters", "1", "--warmup", "0", "--input", "lognormal", "--provider", "torch"]
     )
-    check_rows(parse_table(capsys.readouterr().out), wide_range=True)
+    out = capsys.readouterr().out
+    assert f", mode {mode}, provider torch" in out.splitlines()[0]  # the mode asked for is the one run
+    check_rows(parse_table(out), wide_range=True)
 
 
 @kernels_interpreted_here
