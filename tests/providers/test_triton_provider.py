@@ -565,6 +565,7 @@ def test_cuda_graph_replay_matches_eager() -> None:
     outs: list = [None] * WORLD
     results: list = [None] * WORLD
     ys = [torch.zeros(cfg.max_recv_tokens, HIDDEN, dtype=torch.bfloat16, device=DEVICE) for _ in range(WORLD)]
+    rows = torch.arange(cfg.max_recv_tokens, device=DEVICE)[:, None]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for op, x, w, i in zip(world.ops, xs, weights, ids, strict=True):
@@ -574,7 +575,8 @@ def test_cuda_graph_replay_matches_eager() -> None:
             expert_out = formats.dequantize_dispatch(
                 outs[r].tokens, outs[r].recv_scales(torch.float32), cfg.dispatch_dtype, HIDDEN
             )
-            ys[r].copy_((expert_out * 1.5).to(torch.bfloat16))  # the expert of _step
+            # The expert of _step on the received rows, NaN past them (a combine that read one would show).
+            ys[r].copy_(torch.where(rows < outs[r].num_recv, expert_out * 1.5, float("nan")).to(torch.bfloat16))
         for op, y, out in zip(world.ops, ys, outs, strict=True):
             op.combine_send(y, out.handle)
         for r, op in enumerate(world.ops):
