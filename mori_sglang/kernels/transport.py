@@ -216,17 +216,20 @@ def _await_round(
         senders = w_offs < W
         arrivals = _in_arena(arena_ptr, arrivals_offset, tl.int64) + w_offs
         late = _late_senders(arrivals, senders, target)
-        start = _clock_ns(CLOCK)
-        deadline = start + timeout_ns
-        in_time = start < deadline
+        deadline = _clock_ns(CLOCK) + timeout_ns  # SGLANG_MORI_PEER_TIMEOUT_S's cap keeps it from wrapping
         gave_up_ptr = round_ptr + 2
-        # A scalar atomic reaches every warp of the program with one value (a load would be read by each
-        # warp on its own, and warps that leave the loop apart would meet different barriers).
+        # Every warp of the program leaves the loop in the same iteration, or they would meet different
+        # barriers (those of ``_late_senders``' broadcast): the loop reads only values a scalar atomic
+        # hands every warp alike. A clock is read by each thread on its own and may tick between two
+        # warps' reads, so the deadline reaches the loop through the scalar word too, set from the one
+        # thread that makes a scalar atomic (and set only while senders are late, as it tells the
+        # rank's other programs to give up).
         gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
-        while (tl.max(late.to(tl.int32), 0) > 0) & in_time & (gave_up == 0):
+        while (tl.max(late.to(tl.int32), 0) > 0) & (gave_up == 0):
             late = _late_senders(arrivals, senders, target)
+            expired = (_clock_ns(CLOCK) >= deadline) & (tl.max(late.to(tl.int32), 0) > 0)
+            tl.atomic_max(gave_up_ptr, expired.to(tl.int64), sem="relaxed", scope="gpu")
             gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
-            in_time = _clock_ns(CLOCK) < deadline
         if tl.max(late.to(tl.int32), 0) > 0:
             tl.atomic_max(status_ptr, tl.min(tl.where(late, w_offs, WP), 0) + 1)
             tl.atomic_xchg(gave_up_ptr, 1)
@@ -418,11 +421,18 @@ def _write_routes(
 # later program moves rows and waits only for tasks of programs that started before it, which never
 # wait without bound: the send makes progress however the GPU schedules its programs (in Triton's
 # interpreter, one after another). Two int64 words per task hold the send's round (``target``), so
-# none is ever reset: ``counts`` (``target << 32 | tokens of the block that go to d``, published before
+# none is ever reset: ``counts`` (``target << 21 | tokens of the block that go to d``, published before
 # the task waits for anything) and ``routed`` (the round whose numbering the task has finished). Waits
 # poll with plain loads, which many programs can make at once without serializing on the words as
 # atomics would; one acquire per wait then orders the task's stores before the reads that follow it.
-TASK_TAG_SHIFT = tl.constexpr(32)
+# A block's count is at most its tokens (a block spans at most 2**20, the most a rank dispatches), so
+# it fits below bit 21, and the round above it stays positive for 2**42 rounds: over ten years of
+# 10,000 dispatches a second.
+# (At 32 bits the round reached the sign bit after 2**31 rounds, days of serving a deep model, and
+# from then on no published count matched, so every task recounted every earlier block.)
+TASK_TAG_BITS = 21
+TASK_TAG_SHIFT = tl.constexpr(TASK_TAG_BITS)
+TASK_COUNT_LIMIT = tl.constexpr(1 << TASK_TAG_BITS)  # a block's count stays below it
 
 
 @triton.jit
@@ -494,6 +504,7 @@ def _route_tasks(
     """Router ``router`` of ``routers``: tasks router, router + routers, ... First it publishes every
     one of its tasks' counts (so that other routers' tasks rarely wait for them), then numbers each
     task's tokens after the earlier blocks' counts (``_write_routes``) and marks it routed (release)."""
+    tl.static_assert(BLOCK_N < TASK_COUNT_LIMIT, "a block's count must fit below the round's tag")
     blocks = tl.cdiv(num_tokens, BLOCK_N)
     tasks = tl.maximum(blocks, 1) * W  # an empty batch has one block, of no tokens: its task writes the counts
     for task in range(router, tasks, routers):

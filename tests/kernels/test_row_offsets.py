@@ -38,3 +38,34 @@ def test_row_starts_past_int32_are_exact(hidden: int, rng: random.Random) -> Non
     row_tensor = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     _row_start_kernel[(triton.cdiv(len(rows), BLOCK),)](row_tensor, starts, len(rows), ROW_ELEMENTS=hidden, BLOCK=BLOCK)
     assert starts.cpu().tolist() == [row * hidden for row in rows]
+
+
+@triton.jit
+def _count_before_kernel(
+    ids_ptr, counts_ptr, out_ptr, d, b, target, num_tokens, num_experts, num_local_experts,
+    K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    before = transport._count_before(
+        ids_ptr, counts_ptr, d, b, target, num_tokens, num_experts, num_local_experts, K, KP, W, BLOCK_N, LANES, 1
+    )
+    tl.store(out_ptr, before)
+
+
+@pytest.mark.parametrize("target", [3, 2**31 + 7, 2**33 + 5, 2**42 - 1])
+def test_routing_tasks_read_published_counts_in_every_round(target: int, rng: random.Random) -> None:
+    """A routing task publishes ``round << TASK_TAG_SHIFT | count``; a later task takes the count where
+    the tag names this round and recounts the block from the ids otherwise. The published counts here
+    differ from the ids' (every id dropped: a recount gives 0), so the sum shows which was read. With a
+    32-bit shift the round reached the sign bit after 2**31 rounds (days of serving a deep model), and
+    from then on every task recounted every earlier block."""
+    world, block, blocks, k = 2, 4, 5, 2
+    assert triton.next_power_of_2(env.MAX_TOKENS_PER_RANK) < transport.TASK_COUNT_LIMIT.value
+    ids = torch.full((blocks * block, k), -1, dtype=torch.int32, device=DEVICE)
+    published = torch.tensor([rng.randrange(1, block + 1) for _ in range(blocks * world)], dtype=torch.int64)
+    counts = ((target << transport.TASK_TAG_SHIFT.value) | published).to(DEVICE)
+    out = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
+    d, b = rng.randrange(world), rng.randrange(1, blocks)
+    _count_before_kernel[(1,)](
+        ids, counts, out, d, b, target, blocks * block, 4, 2, K=k, KP=2, W=world, BLOCK_N=block, LANES=4
+    )
+    assert int(out.item()) == int(published.view(blocks, world)[:b, d].sum())
