@@ -7,7 +7,6 @@ to a provider.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -65,7 +64,10 @@ class EpDispatchCombineOp:
         self.fp8_dtype = config.fp8_dtype or formats.fp8_dtype_for_device(self.device)
         env.check_all()
         self.provider_kind = resolve_provider(
-            config.provider, self.device, real_ranks=loopback is None, hosts=lambda: group_hosts(cpu_group or group)
+            config.provider,
+            self.device,
+            real_ranks=loopback is None,
+            hosts=lambda: group_hosts(cpu_group or group, self.device),
         )
         _warn_ignored_env(self.provider_kind.value, tuple(env.ignored_by_provider(self.provider_kind.value)))
         if loopback is not None and loopback.world_size != config.world_size:
@@ -79,9 +81,7 @@ class EpDispatchCombineOp:
         # Native MoRI picks its kernels by the ranks' hosts (a collective: every rank builds its op).
         host_ranks = None
         if self.provider_kind is Provider.MORI and loopback is None:
-            # An NCCL group gathers through the current GPU: the op's (as MoRI's bootstrap does).
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-                host_ranks = ranks_per_host(cpu_group or group)
+            host_ranks = ranks_per_host(cpu_group or group, self.device)
         setup = ProviderSetup(
             config, self.device, self.fp8_dtype, self.layout, self.payload_dtype, group, loopback, cpu_group, host_ranks
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import socket
 from collections.abc import Callable
@@ -31,26 +32,34 @@ def host_name() -> str:
     return socket.gethostname()
 
 
-def _host_names(group: dist.ProcessGroup | None) -> list[str]:
-    """Every rank's host name, in the ranks' order; a collective over ``group`` (None: the world)."""
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` made the current GPU, for work that uses the current one: native MoRI allocates its
+    buffers there, and an NCCL group gathers Python objects through it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _host_names(group: dist.ProcessGroup | None, device: torch.device) -> list[str]:
+    """Every rank's host name, in the ranks' order; a collective over ``group`` (None: the world), made
+    with ``device``, the op's, current."""
     names: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, host_name(), group=group)
+    with on_device(device):
+        dist.all_gather_object(names, host_name(), group=group)
     return [str(name) for name in names]
 
 
-def group_hosts(group: dist.ProcessGroup | None) -> int:
+def group_hosts(group: dist.ProcessGroup | None, device: torch.device) -> int:
     """How many hosts the ranks of ``group`` (None: the world) run on; a collective over the group."""
     if dist.get_world_size(group) == 1:
         return 1
-    return len(set(_host_names(group)))
+    return len(set(_host_names(group, device)))
 
 
-def ranks_per_host(group: dist.ProcessGroup | None) -> int:
+def ranks_per_host(group: dist.ProcessGroup | None, device: torch.device) -> int:
     """How many ranks of ``group`` (None: the world) each host runs (``host_blocks``); a collective
     over the group."""
     if dist.get_world_size(group) == 1:
         return 1
-    return host_blocks(_host_names(group))
+    return host_blocks(_host_names(group, device))
 
 
 def host_blocks(names: list[str]) -> int:

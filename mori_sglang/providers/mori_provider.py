@@ -15,7 +15,6 @@ one call later, without a host synchronisation (as the Triton provider does).
 
 from __future__ import annotations
 
-import contextlib
 from types import ModuleType
 
 import torch
@@ -93,11 +92,6 @@ def finalize_shmem() -> None:
     mori.shmem.shmem_finalize()
     torch._C._distributed_c10d._unregister_process_group(SHMEM_GROUP_NAME)
     _shmem_ready = False
-
-
-def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """MoRI allocates its buffers on the current GPU: build them with the op's device current."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def receive_cap() -> int:

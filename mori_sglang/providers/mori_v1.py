@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from mori_sglang import env, formats, wire_formats
 from mori_sglang.config import CombineDtype, ConfigError, DispatchDtype, EpConfig, Mode, combine_block_from_scale_dim
-from mori_sglang.providers import mori_ids
+from mori_sglang.providers import mori_ids, on_device
 from mori_sglang.providers.base import ProviderSetup
 from mori_sglang.providers.mori_provider import (
     INTRANODE_MAX_RANKS,
@@ -36,7 +36,6 @@ from mori_sglang.providers.mori_provider import (
     capped_recv_tokens,
     init_shmem,
     intranode_kernels_serve,
-    on_device,
     receive_cap,
 )
 from mori_sglang.types import CombineHandle, DispatchOutput

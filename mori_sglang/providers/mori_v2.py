@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from mori_sglang import formats, wire_formats
 from mori_sglang.config import EpConfig
-from mori_sglang.providers import mori_ids
+from mori_sglang.providers import mori_ids, on_device
 from mori_sglang.providers.base import ProviderSetup
-from mori_sglang.providers.mori_provider import MoriProvider, on_device, receive_cap
+from mori_sglang.providers.mori_provider import MoriProvider, receive_cap
 from mori_sglang.types import CombineHandle, DispatchOutput
 
 KERNEL_BACKEND = "hip"

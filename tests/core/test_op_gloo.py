@@ -106,7 +106,8 @@ def _count_hosts(rank: int, world: int, out_dir: str) -> None:
 
     from mori_sglang.providers import group_hosts
 
-    Path(out_dir, f"hosts{rank}").write_text(f"{group_hosts(None)} {group_hosts(dist.new_group([0, 1]))}")
+    cpu = torch.device("cpu")
+    Path(out_dir, f"hosts{rank}").write_text(f"{group_hosts(None, cpu)} {group_hosts(dist.new_group([0, 1]), cpu)}")
 
 
 def test_group_hosts_counts_the_hosts_of_a_group(tmp_path: Path) -> None:

@@ -363,7 +363,7 @@ def test_mori_shmem_bootstraps_over_the_callers_cpu_group(fake_mori: None, monke
 
     asked: list[object] = []
     monkeypatch.setattr(providers, "mori_available", lambda: True)
-    monkeypatch.setattr(op, "ranks_per_host", lambda group: asked.append(group) or 2)  # the hosts' collective
+    monkeypatch.setattr(op, "ranks_per_host", lambda group, device: asked.append(group) or 2)  # the hosts' collective
     monkeypatch.setattr(mori_v1, "init_shmem", init_shmem)
     cfg = EpConfig(2, 0, 256, EXPERTS, TOPK, max_tokens_per_rank=MAX_TOKENS, mode=Mode.LOW_LATENCY, provider="mori")
     device_group, cpu_group = object(), object()
