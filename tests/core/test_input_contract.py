@@ -25,7 +25,16 @@ from mori_sglang.kernels import interpreter
 from mori_sglang.loopback import LoopbackWorld
 from mori_sglang.op import EpDispatchCombineOp
 from mori_sglang.types import CombineHandle, DispatchOutput, InputError, PeerTimeoutError
-from tests.helpers import RankInputs, Scenario, check_step, generator, run_gloo, run_step, world_inputs
+from tests.helpers import (
+    RankInputs,
+    Scenario,
+    check_step,
+    distinct_destinations,
+    generator,
+    run_gloo,
+    run_step,
+    world_inputs,
+)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -358,7 +367,7 @@ def _identity_combined(cfg: EpConfig, xs, ids) -> list[torch.Tensor]:
     local = cfg.num_experts // cfg.world_size
     combined = []
     for x, rows in zip(xs, ids, strict=True):
-        copies = [len({int(e) // local for e in row if 0 <= e < cfg.num_experts}) for row in rows.tolist()]
+        copies = [len(distinct_destinations(row, local)) for row in rows.tolist()]  # ids all in range
         combined.append((x.float().cpu() * torch.tensor(copies, dtype=torch.float32)[:, None]).to(torch.bfloat16))
     return combined
 

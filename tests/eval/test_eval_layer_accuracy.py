@@ -21,6 +21,7 @@ from eval.layer_accuracy.metrics import (
 )
 from eval.layer_accuracy.run import MODES, LayerSetup, make_workload, run
 from mori_sglang import CombineDtype, Provider
+from tests.helpers import distinct_destinations
 
 REPO = Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
@@ -99,7 +100,7 @@ def test_reference_is_the_exact_sum_of_routed_rows(rng: random.Random) -> None:
     work = make_workload(setup)
     per_rank = setup.num_experts // setup.world_size
     total_rows = sum(
-        len({int(e) // per_rank for e in row}) for ids in work.topk_ids for row in ids
+        len(distinct_destinations(row, per_rank)) for ids in work.topk_ids for row in ids.tolist()
     )  # each token goes once to each distinct rank of its top-k
     assert sum(y.shape[0] for y in work.expert_outputs) == total_rows
     # Token by token: a destination's rows come by source rank, then source token (as dispatch
@@ -109,7 +110,7 @@ def test_reference_is_the_exact_sum_of_routed_rows(rng: random.Random) -> None:
         row = 0
         for src, ids in enumerate(work.topk_ids):
             for t, experts in enumerate(ids.tolist()):
-                if dest in {int(e) // per_rank for e in experts}:
+                if dest in distinct_destinations(experts, per_rank):
                     want[src][t] += y[row].float()
                     row += 1
         assert row == y.shape[0]
