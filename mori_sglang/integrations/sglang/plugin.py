@@ -102,7 +102,8 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
     from sglang.srt.arg_groups.overrides import resolved_view
 
     asked = (getattr(server_args, "moe_a2a_backend", None), getattr(server_args, "speculative_moe_a2a_backend", None))
-    if "mori" in asked:  # before SGLang's step reads SGLANG_MORI_EP_V2 (and later steps the bound)
+    shared = "mori" in asked
+    if shared:  # before SGLang's step reads SGLANG_MORI_EP_V2 (and later steps the bound)
         env.check_all()  # every variable, before any model loads
         share_booleans_with_sglang()
     previous(server_args)
@@ -117,8 +118,9 @@ def check_env_at_launch(server_args: Any, previous: Callable[[Any], None]) -> No
             runners["--speculative-moe-runner-backend"] = draft_runner
     if not runners:
         return
-    env.check_all()  # again where resolution, not the flags, chose mori (a draft's default)
-    share_booleans_with_sglang()
+    if not shared:  # resolution, not the flags, chose mori (a draft's default)
+        env.check_all()
+        share_booleans_with_sglang()
     if view.moe_a2a_backend == "mori" and launch_provider(view) is Provider.TORCH:
         keep_graphs_off_a_host_synced_dispatch(server_args, view)
     if aiter_runs_experts():
