@@ -223,13 +223,13 @@ def _await_round(
         # hands every warp alike. A clock is read by each thread on its own and may tick between two
         # warps' reads, so the deadline reaches the loop through the scalar word too, set from the one
         # thread that makes a scalar atomic (and set only while senders are late, as it tells the
-        # rank's other programs to give up).
+        # rank's other programs to give up). One atomic per poll both sets and reads the word: it returns
+        # the word before this poll's update, so a program that sets it leaves after one more poll.
         gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
         while (tl.max(late.to(tl.int32), 0) > 0) & (gave_up == 0):
             late = _late_senders(arrivals, senders, target)
             expired = (_clock_ns(CLOCK) >= deadline) & (tl.max(late.to(tl.int32), 0) > 0)
-            tl.atomic_max(gave_up_ptr, expired.to(tl.int64), sem="relaxed", scope="gpu")
-            gave_up = tl.atomic_add(gave_up_ptr, 0, sem="relaxed", scope="gpu")
+            gave_up = tl.atomic_max(gave_up_ptr, expired.to(tl.int64), sem="relaxed", scope="gpu")
         if tl.max(late.to(tl.int32), 0) > 0:
             tl.atomic_max(status_ptr, tl.min(tl.where(late, w_offs, WP), 0) + 1)
             tl.atomic_xchg(gave_up_ptr, 1)
